@@ -30,18 +30,22 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--n-iters", type=int, default=20, help="Auto-PGD steps per batch")
-    demo.add_argument("--cond", type=float, default=100.0,
-                      help="condition number of the random symmetry transforms")
+    demo.add_argument(
+        "--cond",
+        type=float,
+        default=100.0,
+        help="condition number of the random symmetry transforms",
+    )
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
     from .commands import add_measure_arguments, add_symmetries_arguments
 
-    add_measure_arguments(sub.add_parser(
-        "measure", help="measure the sharpness of a Hugging Face checkpoint on data"
-    ))
-    add_symmetries_arguments(sub.add_parser(
-        "symmetries", help="list the symmetric pairs of a model and self-check them"
-    ))
+    add_measure_arguments(
+        sub.add_parser("measure", help="measure the sharpness of a Hugging Face checkpoint on data")
+    )
+    add_symmetries_arguments(
+        sub.add_parser("symmetries", help="list the symmetric pairs of a model and self-check them")
+    )
 
     study = sub.add_parser("study", help="run a study (" + ", ".join(STUDIES) + ")")
     study.add_argument("name", choices=sorted(STUDIES))
@@ -54,8 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(seed=args.seed, n_iters=args.n_iters, cond=args.cond,
-                        json_path=args.json)
+        return run_demo(seed=args.seed, n_iters=args.n_iters, cond=args.cond, json_path=args.json)
     if args.command == "measure":
         from .commands import run_measure
 

@@ -1,6 +1,16 @@
 """Sharpness measures: Auto-PGD worst case and random-direction average case."""
 
 from .apgd import APGDTrace, auto_pgd, checkpoints
+from .catalog import DEFAULT_RHO, MEASURES, measure_kwargs
 from .sharpness import SharpnessResult, sharpness
 
-__all__ = ["APGDTrace", "SharpnessResult", "auto_pgd", "checkpoints", "sharpness"]
+__all__ = [
+    "DEFAULT_RHO",
+    "MEASURES",
+    "APGDTrace",
+    "SharpnessResult",
+    "auto_pgd",
+    "checkpoints",
+    "measure_kwargs",
+    "sharpness",
+]

@@ -70,26 +70,31 @@ class APGDTrace:
 
 
 class _Ball:
-    """Direction and projection for the L2 (metric) or L-infinity (box) ball."""
+    """Direction and projection for the L2 (metric) or L-infinity (box) ball; both work
+    in place so that a step allocates no parameter-sized buffer besides its result."""
 
     def __init__(self, space: PerturbationSpace, rho: float):
         self.space, self.rho = space, rho
         self.box = space.geometry.p == float("inf")
+        if self.box:
+            self.upper = rho * space.scale
+            self.lower = -self.upper
 
-    def direction(self, egrad: Tensor) -> Tensor:
+    def direction_(self, egrad: Tensor) -> Tensor:
+        """Overwrite ``egrad`` with the ascent direction."""
         space = self.space
         if self.box:
-            return torch.sign(egrad) * space.scale
-        d = space.proju(space.egrad2rgrad(egrad))
-        return d / space.norm(d).clamp_min(1e-30).to(d.dtype)
+            return egrad.sign_().mul_(space.scale)
+        d = space.proju_(space.egrad2rgrad_(egrad))
+        return d.div_(space.norm(d).clamp_min(1e-30).to(d.dtype))
 
-    def project(self, xi: Tensor) -> Tensor:
+    def project_(self, xi: Tensor) -> Tensor:
+        """Project ``xi`` onto the ball (and the horizontal space), in place."""
         space = self.space
         if self.box:
-            bound = self.rho * space.scale
-            return torch.maximum(torch.minimum(xi, bound), -bound)
+            return torch.minimum(torch.maximum(xi, self.lower, out=xi), self.upper, out=xi)
         shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
-        return space.proju(xi * shrink.to(xi.dtype))
+        return space.proju_(xi.mul_(shrink.to(xi.dtype)))
 
 
 def auto_pgd(
@@ -102,13 +107,14 @@ def auto_pgd(
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``objective`` over the ``rho``-ball of ``space``.
 
-    ``objective(xi)`` returns ``(value, euclidean_gradient)``. Returns the best value
-    (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
+    ``objective(xi)`` returns ``(value, euclidean_gradient)``; it may keep no reference
+    to the gradient, which is overwritten. Returns the best value (a 0-d tensor), the
+    best ``xi`` and the :class:`APGDTrace`.
     """
     ball = _Ball(space, rho)
-    xi = torch.zeros_like(space.theta) if xi0 is None else ball.project(xi0)
+    xi = torch.zeros_like(space.theta) if xi0 is None else ball.project_(xi0.clone())
     value, grad = objective(xi)
-    best_value, best_xi, best_grad = value, xi, grad
+    best_value, best_xi, best_grad = value, xi.clone(), grad.clone()
     xi_prev = xi
     eta = 2.0 * rho
     marks = set(checkpoints(n_iters))
@@ -117,17 +123,21 @@ def auto_pgd(
     values, bests, etas, restarts = [value], [best_value], [eta], []
 
     for i in range(n_iters):
-        z = ball.project(xi + eta * ball.direction(grad))
+        # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev))
+        z = ball.project_(torch.add(xi, ball.direction_(grad), alpha=eta))
+        del grad
         a = momentum if i > 0 else 1.0
-        xi_new = ball.project(xi + a * (z - xi) + (1.0 - a) * (xi - xi_prev))
-        xi_prev, xi = xi, xi_new
+        if a != 1.0:
+            z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
+            ball.project_(z)
+        xi_prev, xi = xi, z
         new_value, grad = objective(xi)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
         best_value = torch.where(improved, value, best_value)
-        best_xi = torch.where(improved, xi, best_xi)
-        best_grad = torch.where(improved, grad, best_grad)
+        torch.where(improved, xi, best_xi, out=best_xi)
+        torch.where(improved, grad, best_grad, out=best_grad)
         values.append(value)
         bests.append(best_value)
 
@@ -138,8 +148,8 @@ def auto_pgd(
             reduced_last = too_few or stalled
             if reduced_last:
                 eta /= 2.0
-                xi = xi_prev = best_xi
-                grad = best_grad
+                xi = xi_prev = best_xi.clone()
+                grad = best_grad.clone()
                 value = best_value
                 restarts.append(step)
             best_at_mark, last_mark = best_value, step

@@ -128,9 +128,15 @@ def sharpness(
     theta = layout.flatten({n: t.detach() for n, t in named})
     generator = torch.Generator(device=theta.device).manual_seed(seed)
     settings = dict(
-        metric=metric if geo.metric is not None else None, n_iters=n_iters,
-        n_samples=n_samples, seed=seed, random_start=random_start, eps=eps, p=p,
-        elementwise_step=elementwise_step, n_pairs=len(pairs),
+        metric=metric if geo.metric is not None else None,
+        n_iters=n_iters,
+        n_samples=n_samples,
+        seed=seed,
+        random_start=random_start,
+        eps=eps,
+        p=p,
+        elementwise_step=elementwise_step,
+        n_pairs=len(pairs),
     )
 
     with evaluation_mode(model):
@@ -227,7 +233,8 @@ def _limited(batches: Iterable, limit: int | None, progress: bool, label: str):
         total = limit
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)  # type: ignore[arg-type]
-        iterator = iter(tqdm(iterator, total=total, desc=label, unit="batch", leave=False))
+        bar = tqdm(iterator, total=total, desc=label, unit="batch", leave=False, disable=None)
+        iterator = iter(bar)
     for i, batch in enumerate(iterator):
         if limit is not None and i >= limit:
             break

@@ -1,0 +1,7 @@
+"""Shared test set-up: test helpers (``zoo``, references) import as plain modules."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

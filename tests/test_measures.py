@@ -1,0 +1,271 @@
+"""Sharpness measures: model left untouched, clear errors, Auto-PGD behaviour."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import geosharp
+from geosharp.geometry import Geometry, PerturbationSpace
+from geosharp.measures import auto_pgd, checkpoints, measure_kwargs
+from geosharp.params import ParameterLayout
+from zoo import bert_case, encoder_case
+
+ALL_MEASURES = [
+    ("euclidean", "inv", 2.0),
+    ("adaptive", "inv", 2.0),
+    ("adaptive", "inv", float("inf")),
+    ("geodesic", "inv", 2.0),
+    ("geodesic", "mix", 2.0),
+    ("geodesic-norm-only", "inv", 2.0),
+    ("geodesic-curvature-only", "mix", 2.0),
+]
+
+
+def snapshot(model: nn.Module):
+    return (
+        {n: t.detach().clone() for n, t in model.state_dict(keep_vars=True).items()},
+        {
+            n: (p.requires_grad, None if p.grad is None else p.grad.clone())
+            for n, p in model.named_parameters()
+        },
+        [m.training for m in model.modules()],
+    )
+
+
+def assert_same(model: nn.Module, snap) -> None:
+    state, grads, flags = snap
+    now = model.state_dict(keep_vars=True)
+    assert now.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(now[name].detach(), tensor), name  # bit-identical
+    for name, p in model.named_parameters():
+        requires_grad, grad = grads[name]
+        assert p.requires_grad == requires_grad
+        assert (p.grad is None) == (grad is None)
+        if grad is not None:
+            assert torch.equal(p.grad, grad)
+    assert [m.training for m in model.modules()] == flags
+
+
+@pytest.fixture
+def bert():
+    case = bert_case(dtype=torch.float32)
+    case.model.train()  # the measure must switch dropout off and restore this
+    case.loss_fn(case.model, case.batches[0]).backward()  # a user's stale .grad stays
+    return case
+
+
+@pytest.mark.parametrize("geometry,metric,p", ALL_MEASURES)
+@pytest.mark.parametrize("kind", ["worst", "average"])
+def test_model_bit_identical_after_measure(bert, geometry, metric, p, kind):
+    snap = snapshot(bert.model)
+    result = geosharp.sharpness(
+        bert.model,
+        bert.batches,
+        bert.loss_fn,
+        geometry=geometry,
+        metric=metric,
+        p=p,
+        rho=0.02,
+        kind=kind,
+        n_iters=3,
+        n_samples=2,
+        random_start=True,
+    )
+    assert math.isfinite(result.value)
+    assert_same(bert.model, snap)
+
+
+def test_model_bit_identical_after_exception_mid_way(bert):
+    snap = snapshot(bert.model)
+    calls = {"n": 0}
+
+    def failing_loss(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:  # inside Auto-PGD, with perturbed weights swapped in
+            raise RuntimeError("boom")
+        return bert.loss_fn(model, batch)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        geosharp.sharpness(bert.model, bert.batches, failing_loss, rho=0.05, n_iters=5)
+    assert calls["n"] == 3
+    assert_same(bert.model, snap)
+
+
+def test_dropout_is_off_during_the_measure(bert):
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(model.training)
+        return bert.loss_fn(model, batch)
+
+    geosharp.sharpness(bert.model, bert.batches[:1], loss_fn, rho=0.01, n_iters=2)
+    assert seen and not any(seen)
+    assert bert.model.training
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small():
+    return encoder_case(dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rho", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_rho(small, rho):
+    with pytest.raises(ValueError, match="rho must be a positive finite number"):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, rho=rho)
+
+
+def test_empty_batches(small):
+    with pytest.raises(ValueError, match="no batches"):
+        geosharp.sharpness(small.model, [], small.loss_fn, rho=0.1)
+
+
+def test_single_batch_not_wrapped(small):
+    with pytest.raises(TypeError, match="wrap a single batch in a list"):
+        geosharp.sharpness(small.model, small.inputs, small.loss_fn, rho=0.1)
+
+
+def test_nan_loss(small):
+    def nan_loss(model, batch):
+        return small.loss_fn(model, batch) * float("nan")
+
+    with pytest.raises(FloatingPointError, match="unperturbed loss is nan"):
+        geosharp.sharpness(small.model, small.batches, nan_loss, rho=0.1)
+
+
+def test_non_scalar_loss(small):
+    def vector_loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+    with pytest.raises(ValueError, match=r"must return a scalar.*\.mean\(\)"):
+        geosharp.sharpness(small.model, small.batches, vector_loss, rho=0.1)
+
+
+def test_loss_not_a_tensor(small):
+    with pytest.raises(TypeError, match="must return a tensor"):
+        geosharp.sharpness(small.model, small.batches, lambda m, b: 1.0, rho=0.1)
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="no parameters"):
+        geosharp.sharpness(nn.ReLU(), [torch.ones(2)], lambda m, b: m(b).sum(), rho=0.1)
+    with pytest.raises(ValueError, match="no parameters"):
+        geosharp.find_symmetries(nn.ReLU())
+
+
+def test_unknown_names(small):
+    with pytest.raises(ValueError, match="unknown geometry 'sharp'"):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, geometry="sharp")
+    with pytest.raises(ValueError, match="unknown metric"):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, metric="euclid")
+    with pytest.raises(ValueError, match="L-infinity ball is defined for 'adaptive' only"):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, p=float("inf"))
+    with pytest.raises(ValueError, match="unknown parameter names"):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, parameters=["nope"])
+    with pytest.raises(ValueError, match="unknown measure"):
+        measure_kwargs("geodesic-euclid")
+
+
+# -- Auto-PGD ------------------------------------------------------------------------------
+
+
+class LinearLoss(nn.Module):
+    """``L(theta) = <a, theta>``: the worst case over any round ball is known exactly."""
+
+    def __init__(self, d: int = 12, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.theta = nn.Parameter(torch.randn(d, generator=g, dtype=torch.float64))
+        self.a = torch.randn(d, generator=g, dtype=torch.float64)
+
+    def forward(self, _batch=None):
+        return self.theta @ self.a
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_pgd_reaches_the_linear_optimum(seed):
+    """Adaptive ball ``||xi / |theta| ||_2 <= rho``: max ``<a, xi>`` is ``rho ||a |theta| ||``;
+    the L-infinity box gives ``rho sum |a theta|``; Euclidean ``rho ||a||``."""
+    model = LinearLoss(seed=seed)
+    theta, a = model.theta.detach(), model.a
+
+    def measure(**kw):
+        return geosharp.sharpness(model, [None], lambda m, b: m(b), rho=0.1, n_iters=10, **kw).value
+
+    assert measure(geometry="adaptive") == pytest.approx(0.1 * float((a * theta).norm()), rel=1e-6)
+    assert measure(geometry="adaptive", p=float("inf")) == pytest.approx(
+        0.1 * float((a * theta).abs().sum()), rel=1e-6
+    )
+    assert measure(geometry="euclidean") == pytest.approx(0.1 * float(a.norm()), rel=1e-6)
+
+
+def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
+    named = list(small.model.named_parameters())
+    layout = ParameterLayout.from_named(named)
+    theta = layout.flatten({n: p.detach() for n, p in named})
+    sym = geosharp.find_symmetries(small.model)
+    space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named("geodesic", "mix"))
+    seen = []
+    loss = geosharp.params.functional_loss(small.model, small.loss_fn)
+
+    def objective(xi):
+        seen.append(xi.clone())
+        xi = xi.detach().requires_grad_(True)
+        value = loss(layout.unflatten(space.retr(xi)), small.batches[0])
+        return value.detach(), torch.autograd.grad(value, xi)[0]
+
+    rho = 0.02
+    best, best_xi, trace = auto_pgd(objective, space, rho, n_iters=12)
+    assert len(seen) == 13 and len(trace.losses) == 13
+    for xi in seen[1:]:
+        assert float(space.norm(xi)) <= rho * (1 + 1e-9)
+        assert float(space.horizontal_residual(xi)) < 1e-9
+    assert trace.best == sorted(trace.best)  # best-so-far is monotone
+    assert float(best) == max(trace.losses) == trace.best[-1]
+    assert float(space.norm(best_xi)) <= rho * (1 + 1e-9)
+    assert trace.step_sizes[0] == 2 * rho
+    assert all(s in (2 * rho / 2**k for k in range(8)) for s in trace.step_sizes)
+
+
+def test_checkpoint_schedule():
+    """p_0 = 0, p_1 = 0.22, p_{j+1} = p_j + max(p_j - p_{j-1} - 0.03, 0.06)."""
+    assert checkpoints(100) == [22, 41, 57, 70, 80, 87, 93, 99]
+    assert checkpoints(20) == [5, 9, 12, 14, 16, 18, 19]
+    assert checkpoints(1) == []
+
+
+def test_seeded_and_reproducible(small):
+    kw = dict(rho=0.05, n_iters=4, random_start=True, seed=3)
+    state = torch.random.get_rng_state()
+    a = geosharp.sharpness(small.model, small.batches, small.loss_fn, **kw)
+    assert torch.equal(torch.random.get_rng_state(), state)  # global RNG untouched
+    b = geosharp.sharpness(small.model, small.batches, small.loss_fn, **kw)
+    c = geosharp.sharpness(small.model, small.batches, small.loss_fn, **{**kw, "seed": 4})
+    assert a.per_batch == b.per_batch
+    assert a.per_batch != c.per_batch
+
+
+def test_result_fields_and_json(small):
+    r = geosharp.sharpness(small.model, small.batches, small.loss_fn, rho=0.05, n_iters=3)
+    assert len(r.per_batch) == len(small.batches) == len(r.traces)
+    assert r.value == pytest.approx(sum(r.per_batch) / len(r.per_batch))
+    assert r.value >= 0  # deterministic start: the unperturbed point is a candidate
+    assert r.geometry == "geodesic[inv]" and r.settings["n_pairs"] == 4
+    assert '"per_batch"' in r.to_json()
+    assert "worst-case geodesic[inv]" in str(r)
+
+
+def test_frozen_parameters_are_not_perturbed(small):
+    model = copy.deepcopy(small.model)
+    for p in model.encoder.parameters():
+        p.requires_grad_(False)
+    r = geosharp.sharpness(model, small.batches, small.loss_fn, rho=0.05, n_iters=3)
+    assert r.settings["n_pairs"] == 0  # every pair has a frozen member
+    assert r.value > 0  # the head still moves
