@@ -144,11 +144,19 @@ class PairState(ABC):
 
 @dataclass
 class InvState(PairState):
+    """``P, Q`` (and ``P_inv, Q_inv, P_sqrt, Q_sqrt``) include ``eps``. The projection
+    solves ``A X + X B = C`` with ``A = P (H^T H) = S diag(d) S^{-1}`` and
+    ``B = (G^T G) Q = T diag(e) T^{-1}`` (for ``eps = 0``, ``A = B = P Q`` and
+    ``T, e = S, d``)."""
+
     P_sqrt: Tensor
     Q_sqrt: Tensor
     S: Tensor
     S_inv: Tensor
     d: Tensor
+    T: Tensor
+    T_inv: Tensor
+    e: Tensor
 
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
@@ -161,13 +169,19 @@ class InvState(PairState):
         return self.P_inv @ _t(x[0]) @ self.G - _t(self.H) @ x[1] @ self.Q_inv
 
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
-        # (P Q) X + X (P Q) = C with C = xiG^T G Q - P H^T xiH and X = L^T, solved in
-        # the eigenbasis of P^{1/2} Q P^{1/2} = U D U^T, S = P^{1/2} U.
+        # R(xi - V(L)) = 0 with X = L^T reads A X + X B = C (multiplied by P, Q), where
+        # C = xiG^T G Q - P H^T xiH, A = P (H^T H), B = (G^T G) Q (P, Q with eps; for
+        # eps = 0 this is MATH.md's (P Q) X + X (P Q) = C). With A = S D S^{-1} and
+        # B = T E T^{-1}: Y = S^{-1} C T, Y_ij /= d_i + e_j, X = S Y T^{-1}.
         x = _f64(xi)
         C = _t(x[0]) @ self.G @ self.Q - self.P @ _t(self.H) @ x[1]
-        Y = self.S_inv @ C @ self.S
-        Y = Y / (self.d.unsqueeze(-1) + self.d.unsqueeze(-2))
-        return _t(self.S @ Y @ self.S_inv)
+        Y = self.S_inv @ C @ self.T
+        denom = self.d.unsqueeze(-1) + self.e.unsqueeze(-2)
+        # denom = 0 only where V(L) = 0 (G and H both rank deficient, eps > 0): any Y
+        # solves there; take 0.
+        tol = denom.shape[-1] * torch.finfo(_F64).eps * denom.amax((-1, -2), keepdim=True)
+        Y = torch.where(denom > tol, Y / torch.where(denom > tol, denom, 1.0), 0.0)
+        return _t(self.S @ Y @ self.T_inv)
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -201,11 +215,19 @@ class InvMetric(PairMetric):
         G, H = G.detach().to(_F64), H.detach().to(_F64)
         P, Q = _gram(G, self.eps), _gram(H, self.eps)
         P_inv, P_sqrt, P_isqrt, _ = _spd_functions(P)
-        Q_inv, Q_sqrt, _, _ = _spd_functions(Q)
-        d, U = torch.linalg.eigh(P_sqrt @ Q @ P_sqrt)
+        Q_inv, Q_sqrt, Q_isqrt, _ = _spd_functions(Q)
+        # A = P (H^T H) = S D S^{-1}: P^{1/2} (H^T H) P^{1/2} = U D U^T, S = P^{1/2} U.
+        d, U = torch.linalg.eigh(P_sqrt @ (Q if not self.eps else _gram(H, 0.0)) @ P_sqrt)
+        S, S_inv = P_sqrt @ U, _t(U) @ P_isqrt
+        if self.eps:
+            # B = (G^T G) Q = T E T^{-1}: Q^{1/2} (G^T G) Q^{1/2} = W E W^T, T = Q^{-1/2} W.
+            e, W = torch.linalg.eigh(Q_sqrt @ _gram(G, 0.0) @ Q_sqrt)
+            T, T_inv = Q_isqrt @ W, _t(W) @ Q_sqrt
+        else:
+            e, T, T_inv = d, S, S_inv
         return InvState(
             G, H, P, Q, P_inv, Q_inv,
-            P_sqrt=P_sqrt, Q_sqrt=Q_sqrt, S=P_sqrt @ U, S_inv=_t(U) @ P_isqrt, d=d,
+            P_sqrt=P_sqrt, Q_sqrt=Q_sqrt, S=S, S_inv=S_inv, d=d, T=T, T_inv=T_inv, e=e,
         )
 
 

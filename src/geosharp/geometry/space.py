@@ -35,6 +35,7 @@ from torch import Tensor
 from ..params import ParameterLayout
 from ..symmetry.pairs import PairSpec
 from .pairs import PairMetric, PairState, get_metric
+from .subgroup import restrict_state
 
 __all__ = ["GEOMETRIES", "Geometry", "PerturbationSpace", "StackedPairs"]
 
@@ -100,16 +101,20 @@ class Geometry:
 
 @dataclass
 class StackedPairs:
-    """Pairs of one shape ``(n, m, h)``, stacked over heads and layers.
+    """Pairs of one shape ``(n, m, h)`` and one symmetry group, stacked over heads and
+    layers.
 
     ``g_index`` (``(B, n, h)``) and ``h_index`` (``(B, m, h)``) hold positions in the flat
-    parameter vector; ``state`` is the pair geometry at the base point.
+    parameter vector; ``state`` is the pair geometry at the base point; ``group`` the
+    symmetry group of the pairs (``"GL"`` or a subgroup, see
+    :mod:`geosharp.geometry.subgroup`).
     """
 
     specs: list[PairSpec]
     g_index: Tensor
     h_index: Tensor
     state: PairState | None = None
+    group: str = "GL"
 
     def gather(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         return flat[self.g_index], flat[self.h_index]
@@ -119,28 +124,30 @@ class StackedPairs:
         out = flat.index_copy(0, self.g_index.reshape(-1), blocks[0].reshape(-1))
         return out.index_copy(0, self.h_index.reshape(-1), blocks[1].reshape(-1))
 
-    def scatter_add(self, flat: Tensor, blocks: tuple[Tensor, Tensor]) -> Tensor:
-        out = flat.index_add(0, self.g_index.reshape(-1), blocks[0].reshape(-1))
-        return out.index_add(0, self.h_index.reshape(-1), blocks[1].reshape(-1))
+    def scatter_(self, flat: Tensor, blocks: tuple[Tensor, Tensor]) -> Tensor:
+        """:meth:`scatter` in place."""
+        flat.index_copy_(0, self.g_index.reshape(-1), blocks[0].reshape(-1).to(flat.dtype))
+        return flat.index_copy_(0, self.h_index.reshape(-1), blocks[1].reshape(-1).to(flat.dtype))
 
 
 def stack_pairs(
     pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
 ) -> list[StackedPairs]:
-    """Group pairs by shape and translate their indices into flat positions."""
-    groups: dict[tuple[int, int, int], list[PairSpec]] = defaultdict(list)
+    """Group pairs by shape and symmetry group and translate their indices into flat
+    positions."""
+    groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
     for pair in pairs:
         _, n, m, h = pair.shape
-        groups[(n, m, h)].append(pair)
+        groups[(n, m, h, pair.group)].append(pair)
 
     def flat_index(blocks) -> Tensor:
         return torch.cat([layout.offset(b.param) + b.index for b in blocks], dim=1)
 
     out = []
-    for specs in groups.values():
+    for (*_, group), specs in groups.items():
         g = torch.cat([flat_index(s.g_blocks) for s in specs]).to(device)
         h = torch.cat([flat_index(s.h_blocks) for s in specs]).to(device)
-        out.append(StackedPairs(specs, g, h))
+        out.append(StackedPairs(specs, g, h, group=group))
     return out
 
 
@@ -167,7 +174,8 @@ class PerturbationSpace:
         use_pairs = geometry.metric is not None
         self.blocks = stack_pairs(pairs, layout, theta.device) if use_pairs else []
         for block in self.blocks:
-            block.state = geometry.metric.state(*block.gather(self.theta))
+            state = geometry.metric.state(*block.gather(self.theta))
+            block.state = restrict_state(state, block.group)
 
         covered = torch.zeros_like(self.theta, dtype=torch.bool)
         for block in self.blocks:
@@ -175,20 +183,29 @@ class PerturbationSpace:
             covered[block.h_index.reshape(-1)] = True
         scale = self.theta.abs() if geometry.relative else torch.ones_like(self.theta)
         elementwise = ~covered if geometry.metric_ball else torch.ones_like(covered)
-        movable = scale > 0
-        self.scale = torch.where(elementwise & movable, scale, torch.zeros_like(scale))
-        # Element-wise weights of the metric: 1/c^2 on element-wise entries (0 elsewhere).
-        self.weight = torch.where(self.scale > 0, self.scale.pow(-2), torch.zeros_like(scale))
+        # Entries below sqrt(tiny) are frozen: 1/c would overflow (and c^2 underflow).
+        movable = scale > torch.finfo(scale.dtype).tiny ** 0.5
+        zero = torch.zeros_like(scale)
+        self.scale = torch.where(elementwise & movable, scale, zero)
+        # The element-wise metric is sum_j (xi_j / c_j)^2 on element-wise entries.
+        self.inv_scale = torch.where(self.scale > 0, 1.0 / torch.where(movable, scale, 1), zero)
         # Entries a perturbation may use: movable element-wise ones, and pair entries.
         self.active = (elementwise & movable) | (covered & geometry.metric_ball)
+        self._all_active = bool(self.active.all())
         self.active = self.active.to(theta.dtype)
         self._metric_blocks = self.blocks if geometry.metric_ball else []
+        self._work = torch.empty_like(self.theta)  # scratch for norms (no allocation)
 
     # -- metric ---------------------------------------------------------------------------
 
     def inner(self, xi: Tensor, eta: Tensor) -> Tensor:
         """``g(xi, eta)`` (0-d tensor, float64)."""
-        total = (xi.double() * eta.double() * self.weight.double()).sum()
+        if eta is xi:
+            a = torch.mul(xi, self.inv_scale, out=self._work)
+            total = torch.dot(a, a).double()
+        else:
+            total = torch.dot(torch.mul(xi, self.inv_scale, out=self._work), eta * self.inv_scale)
+            total = total.double()
         for block in self._metric_blocks:
             total = total + block.state.inner(block.gather(xi), block.gather(eta)).sum()
         return total
@@ -199,24 +216,33 @@ class PerturbationSpace:
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def linf_norm(self, xi: Tensor) -> Tensor:
-        ratio = torch.where(self.scale > 0, xi.abs() / self.scale.clamp_min(1e-300), 0.0)
-        return ratio.max().double()
+        return torch.mul(xi, self.inv_scale, out=self._work).abs_().max().double()
 
     # -- projections ----------------------------------------------------------------------
 
     def proju(self, xi: Tensor) -> Tensor:
         """Zero the frozen entries and project every pair onto its horizontal space."""
-        out = xi * self.active
+        return self.proju_(xi.clone())
+
+    def proju_(self, xi: Tensor) -> Tensor:
+        """:meth:`proju` in place (returns ``xi``)."""
+        if not self._all_active:
+            xi.mul_(self.active)
         for block in self._metric_blocks:
-            out = block.scatter(out, block.state.project_horizontal(block.gather(out)))
-        return out
+            block.scatter_(xi, block.state.project_horizontal(block.gather(xi)))
+        return xi
 
     def egrad2rgrad(self, egrad: Tensor) -> Tensor:
         """Riemannian gradient: ``c^2 * g`` element-wise, section 4 on pairs."""
-        out = egrad * self.scale.pow(2)
-        for block in self._metric_blocks:
-            out = block.scatter(out, block.state.egrad2rgrad(block.gather(egrad)))
-        return out
+        return self.egrad2rgrad_(egrad.clone())
+
+    def egrad2rgrad_(self, egrad: Tensor) -> Tensor:
+        """:meth:`egrad2rgrad` in place (returns ``egrad``)."""
+        pair_grads = [b.state.egrad2rgrad(b.gather(egrad)) for b in self._metric_blocks]
+        egrad.mul_(self.scale).mul_(self.scale)
+        for block, grad in zip(self._metric_blocks, pair_grads):
+            block.scatter_(egrad, grad)
+        return egrad
 
     def horizontal_residual(self, xi: Tensor) -> Tensor:
         """Largest ``|R|`` over pairs, relative to the size of ``xi``: 0 iff horizontal."""
@@ -229,16 +255,20 @@ class PerturbationSpace:
     # -- sampling and stepping ------------------------------------------------------------
 
     def random(self, generator: torch.Generator | None = None) -> Tensor:
-        """A Gaussian tangent in the metric, projected (not normalised)."""
+        """A Gaussian tangent in the metric, projected (not normalised).
+
+        Pair blocks are drawn equivariantly (:func:`equivariant_gaussian`): with the same
+        generator state, symmetry-related networks get symmetry-related samples.
+        """
         z = torch.randn(
             self.theta.shape, generator=generator, dtype=self.theta.dtype,
             device=self.theta.device,
         )
-        out = z * self.scale
+        out = z.mul_(self.scale)
         for block in self._metric_blocks:
-            sample = block.state.sample(generator)
-            out = block.scatter(out, (sample[0].to(out.dtype), sample[1].to(out.dtype)))
-        return self.proju(out)
+            sample = equivariant_gaussian(block.state, self.geometry.metric.name, generator)
+            block.scatter_(out, sample)
+        return self.proju_(out)
 
     def retr(self, xi: Tensor) -> Tensor:
         """The perturbed point ``gamma_xi(1)`` as a flat vector (differentiable in ``xi``)."""
@@ -254,7 +284,8 @@ class PerturbationSpace:
         if geometry.geodesic_step:
             for block in self.blocks:
                 aG, aH = block.state.geodesic_acceleration(block.gather(xi))
-                out = block.scatter_add(out, (0.5 * aG, 0.5 * aH))
+                out = out.index_add_(0, block.g_index.reshape(-1), aG.reshape(-1), alpha=0.5)
+                out = out.index_add_(0, block.h_index.reshape(-1), aH.reshape(-1), alpha=0.5)
         return out
 
     def _straight_on_pairs(self, moved: Tensor, xi: Tensor) -> Tensor:
@@ -264,3 +295,37 @@ class PerturbationSpace:
             g_xi, h_xi = block.gather(xi)
             out = block.scatter(out, (g_th + g_xi, h_th + h_xi))
         return out
+
+
+def equivariant_gaussian(
+    state: PairState, metric: str, generator: torch.Generator | None = None,
+    chunk: int = 1 << 22,
+) -> tuple[Tensor, Tensor]:
+    """A Gaussian pair tangent in the metric whose draw commutes with the group action.
+
+    ``inv``: ``xiG = W G``, ``xiH = W' H`` with standard Gaussian ``W`` (``n x n``),
+    ``W'`` (``m x m``): the rows of ``xiG`` are ``N(0, P)``, the law of ``Z P^{1/2}``.
+    ``mix``: ``xiG = W H Q^{-1}``, ``xiH = W' G P^{-1}`` (rows ``N(0, Q^{-1})`` and
+    ``N(0, P^{-1})``). Under ``(G, H) -> (G A, H A^{-T})`` each sample maps to
+    ``(xiG A, xiH A^{-T})``, so symmetry-related networks see related directions.
+    Heads are drawn in chunks of at most ``chunk`` Gaussian numbers.
+    """
+    G, H = state.G, state.H
+    heads, n, _ = G.shape
+    m = H.shape[1]
+    if metric == "inv":
+        g_factor, h_factor = G, H
+    else:
+        g_factor, h_factor = H @ state.Q_inv, G @ state.P_inv
+    step = max(1, chunk // max(n * g_factor.shape[1], m * h_factor.shape[1]))
+    parts_g, parts_h = [], []
+    for start in range(0, heads, step):
+        sl = slice(start, start + step)
+        count = g_factor[sl].shape[0]
+        W = torch.randn(count, n, g_factor.shape[1], generator=generator, dtype=G.dtype,
+                        device=G.device)
+        parts_g.append(W @ g_factor[sl])
+        W = torch.randn(count, m, h_factor.shape[1], generator=generator, dtype=G.dtype,
+                        device=G.device)
+        parts_h.append(W @ h_factor[sl])
+    return torch.cat(parts_g), torch.cat(parts_h)

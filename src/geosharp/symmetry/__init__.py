@@ -7,22 +7,32 @@ from .check import (
     reparameterize,
     transform_parameters,
 )
+from .declare import declare_pair
 from .discovery import find_symmetries
-from .handlers import Projection, attention_pairs, register_handler
+from .handlers import (
+    Projection,
+    attention_pairs,
+    nested_pairs,
+    register_handler,
+    register_matcher,
+)
 from .pairs import Block, PairSpec, Symmetries, positions
 
 __all__ = [
     "Block",
     "PairSpec",
     "Projection",
-    "SymmetryCheck",
     "Symmetries",
+    "SymmetryCheck",
     "attention_pairs",
     "check_symmetries",
+    "declare_pair",
     "find_symmetries",
+    "nested_pairs",
     "positions",
     "random_transforms",
     "register_handler",
+    "register_matcher",
     "reparameterize",
     "transform_parameters",
 ]

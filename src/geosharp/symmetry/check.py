@@ -26,6 +26,7 @@ def random_matrices(
 ) -> Tensor:
     """``heads`` random ``h x h`` matrices ``U diag(s) V^T`` with condition number ``cond``
     (``s`` log-spaced between ``cond^{-1/2}`` and ``cond^{1/2}``), float64."""
+
     def orthogonal() -> Tensor:
         q, r = torch.linalg.qr(torch.randn(heads, h, h, generator=generator, dtype=torch.float64))
         return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
@@ -39,12 +40,15 @@ def random_matrices(
 def random_transforms(
     symmetries: Symmetries, cond: float = 10.0, seed: int = 0
 ) -> dict[str, Tensor]:
-    """One random ``A`` per head of every pair, keyed by pair name."""
+    """One random ``A`` per head of every pair, in the pair's group (``GL(h)``, or
+    complex scalars per frequency plane for ``"rotary"``), keyed by pair name."""
+    from ..geometry.subgroup import random_group_elements
+
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for pair in symmetries.pairs:
         heads, _, _, h = pair.shape
-        out[pair.name] = random_matrices(heads, h, cond, generator)
+        out[pair.name] = random_group_elements(pair.group, heads, h, cond, generator)
     return out
 
 
@@ -85,8 +89,9 @@ def reparameterize(
     symmetries = symmetries or find_symmetries(model)
     transforms = dict(transforms or random_transforms(symmetries, cond, seed))
     named = dict(model.named_parameters())
-    new = transform_parameters({n: p.detach() for n, p in named.items()},
-                               symmetries.pairs, transforms)
+    new = transform_parameters(
+        {n: p.detach() for n, p in named.items()}, symmetries.pairs, transforms
+    )
     for name in {n for pair in symmetries.pairs for n in pair.params}:
         named[name].copy_(new[name])
     return transforms

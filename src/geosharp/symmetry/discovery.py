@@ -7,7 +7,7 @@ import warnings
 
 from torch import Tensor, nn
 
-from .handlers import handler_for
+from .handlers import handler_for, nested_pairs
 from .pairs import PairSpec, Symmetries
 
 __all__ = ["find_symmetries"]
@@ -18,9 +18,12 @@ _ATTENTION_LIKE = re.compile(r"attention|attn|selfatt|mha", re.IGNORECASE)
 def find_symmetries(model: nn.Module, warn: bool = True) -> Symmetries:
     """Find the parameter symmetries of ``model``.
 
-    Every attention module with a registered handler contributes, per head, one
-    query/key and one value/output ``GL(d_head)`` pair (biases absorbed, MATH.md
-    section 1). All other parameters stay in the element-wise (adaptive) geometry.
+    Every module with a registered handler contributes its pairs (MATH.md section 1):
+    per attention head a query/key and a value/output pair with biases absorbed, of
+    group ``GL(d_head)``, or the rotary subgroup for query/key under RoPE; with
+    grouped-query attention, the blocks of heads that share a key/value head are
+    stacked into one pair; LoRA adapters give ``GL(r)`` pairs ``(B, A^T)``. All other
+    parameters stay in the element-wise (adaptive) geometry.
     Modules whose class name looks like attention but that no handler knows are
     listed in ``Symmetries.unrecognized`` and, if ``warn``, in a warning: their
     symmetry is ignored, never guessed.
@@ -57,6 +60,9 @@ def find_symmetries(model: nn.Module, warn: bool = True) -> Symmetries:
         elif _ATTENTION_LIKE.search(type(module).__name__) and _owns_parameters(module):
             unrecognized.append(prefix or f"<root {type(module).__name__}>")
             done.append(prefix)
+            # Its own symmetry is unknown, but known modules inside it (LoRA adapters)
+            # still contribute their pairs.
+            pairs.extend(nested_pairs(module, prefix, name_of))
 
     symmetries = Symmetries(
         pairs=pairs,

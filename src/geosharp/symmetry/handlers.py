@@ -2,8 +2,9 @@
 
 A handler is ``handler(module, prefix, name_of) -> list[PairSpec]`` where ``name_of``
 maps a parameter tensor of the model to its name. Handlers are looked up by the
-module's class (exact class or qualified class name, so ``transformers`` is never
-imported here); register your own with :func:`register_handler`.
+module's class (exact class or qualified class name, so ``transformers`` and ``peft``
+are never imported here), then by structural matchers (:func:`register_matcher`);
+register your own with :func:`register_handler`.
 
 Layouts (MATH.md, section 1), with ``W`` an ``nn.Linear`` weight (``out x in``):
 
@@ -11,10 +12,22 @@ Layouts (MATH.md, section 1), with ``W`` an ``nn.Linear`` weight (``out x in``):
   ``H = [W_K[rows_i]^T ; b_K[rows_i]]``, both ``(d_in + 1) x d_head``;
 * value/output, head ``i``: ``G = [W_V[rows_i]^T ; b_V[rows_i]]``,
   ``H = W_O[:, cols_i]`` (``d_out x d_head``).
+
+Grouped-query attention (``kv_heads < heads``, ``r = heads / kv_heads`` query heads
+per key/value head ``g``, query heads ``g r, ..., g r + r - 1``): one pair per
+key/value head, ``G = [Gq_{g r}; ...; Gq_{g r + r - 1}]`` (rows stacked), ``H = Hk_g``
+(query/key), and ``G = Gv_g``, ``H = [Ho_{g r}; ...]`` (value/output).
+
+A pair is claimed only where the module computes exactly ``x W^T + b`` with a plain
+parameter ``W``: a projection wrapped by an adapter (LoRA, IA3, ...) or computed by a
+parametrisation is left out (its symmetry involves the adapter's tensors too), with a
+warning when its weight is trainable.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +35,23 @@ from torch import Tensor, nn
 
 from .pairs import Block, PairSpec, positions
 
-__all__ = ["Projection", "attention_pairs", "register_handler", "handler_for"]
+__all__ = [
+    "Projection",
+    "attention_pairs",
+    "handler_for",
+    "nested_pairs",
+    "output_blocks",
+    "plain_linear",
+    "register_handler",
+    "register_matcher",
+]
 
 NameOf = Callable[[Tensor], str]
 Handler = Callable[[nn.Module, str, NameOf], list[PairSpec]]
+Matcher = Callable[[nn.Module], bool]
 
 _HANDLERS: dict[type | str, Handler] = {}
+_MATCHERS: list[tuple[Matcher, Handler]] = []
 
 
 def register_handler(cls: type | str, handler: Handler) -> None:
@@ -35,16 +59,73 @@ def register_handler(cls: type | str, handler: Handler) -> None:
 
     ``cls`` is a class or its qualified name (``"package.module.ClassName"``).
     The handler's pairs replace the default element-wise treatment of the module's
-    parameters; descendants of a handled module are not visited.
+    parameters; descendants of a handled module are not visited (call
+    :func:`nested_pairs` in the handler to include pairs of handled descendants,
+    such as LoRA adapters).
     """
     _HANDLERS[cls] = handler
+
+
+def register_matcher(matches: Matcher, handler: Handler) -> None:
+    """Declare a handler for every module for which ``matches(module)`` is true (tried
+    after the class registry, in registration order)."""
+    _MATCHERS.append((matches, handler))
 
 
 def handler_for(module: nn.Module) -> Handler | None:
     cls = type(module)
     if cls in _HANDLERS:
         return _HANDLERS[cls]
-    return _HANDLERS.get(f"{cls.__module__}.{cls.__qualname__}")
+    by_name = _HANDLERS.get(f"{cls.__module__}.{cls.__qualname__}")
+    if by_name is not None:
+        return by_name
+    for matches, handler in _MATCHERS:
+        if matches(module):
+            return handler
+    return None
+
+
+def nested_pairs(module: nn.Module, prefix: str, name_of: NameOf) -> list[PairSpec]:
+    """Pairs of the handled descendants of ``module`` (not ``module`` itself), e.g. the
+    LoRA adapters inside an attention layer; descendants of those are not visited."""
+    out: list[PairSpec] = []
+    done: list[str] = []
+    for name, child in module.named_modules():
+        if not name or any(name == d or name.startswith(d + ".") for d in done):
+            continue
+        handler = handler_for(child)
+        if handler is not None:
+            out.extend(handler(child, f"{prefix}.{name}" if prefix else name, name_of))
+            done.append(name)
+    return out
+
+
+def _is_parameter(tensor: object) -> bool:
+    return isinstance(tensor, nn.Parameter)
+
+
+def plain_linear(layer: nn.Module, prefix: str = "", role: str = "") -> bool:
+    """True if ``layer`` is an ``nn.Linear`` with plain parameters. Otherwise, warn if
+    it holds trainable tensors whose symmetry is therefore ignored, and return False
+    (an adapter wrapper such as peft's LoRA layers, or a parametrisation)."""
+    if isinstance(layer, nn.Linear) and not hasattr(layer, "parametrizations"):
+        if _is_parameter(layer.weight):
+            return True
+    warn_skipped(layer, prefix, role)
+    return False
+
+
+def warn_skipped(layer: nn.Module, prefix: str, role: str) -> None:
+    base = getattr(layer, "base_layer", None)
+    weight = getattr(base if base is not None else layer, "weight", None)
+    if isinstance(weight, Tensor) and weight.requires_grad:
+        cls = type(layer)
+        warnings.warn(
+            f"{prefix}: the {role or 'projection'} is a {cls.__module__}.{cls.__qualname__}, "
+            "not a plain linear layer (an adapter wrapper or a parametrisation); the attention "
+            "pairs that use it are left out and its weights are measured element-wise",
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True)
@@ -52,7 +133,7 @@ class Projection:
     """A per-head projection ``x -> x W^T + b`` into ``heads`` blocks of ``d_head``.
 
     ``weight`` is ``(heads * d_head, d_in)`` (``nn.Linear`` layout) unless
-    ``transposed`` (``d_in x heads * d_head``, GPT-2 ``Conv1D``); ``rows`` selects a
+    ``transposed`` (``d_in x heads * d_head``, GPT-2 ``Conv1D``); ``start`` selects a
     slice of the output features (fused q/k/v weights); ``bias_start`` (default
     ``start``) the slice of the bias, where weights are separate but the bias is fused.
     """
@@ -63,28 +144,58 @@ class Projection:
     transposed: bool = False
     bias_start: int | None = None
 
-    def blocks(self, heads: int, d_head: int, name_of: NameOf) -> tuple[Block, ...]:
+    def blocks(self, heads: int, d_head: int, name_of: NameOf, stack: int = 1) -> tuple[Block, ...]:
+        """Blocks ``(heads / stack, stack * rows, d_head)``: with ``stack > 1``,
+        consecutive heads are stacked row-wise into one pair (grouped-query attention)."""
         width = heads * d_head
         pos = positions(self.weight)
         if self.transposed:
             pos = pos.t()
         pos = pos[self.start : self.start + width]
-        out = [Block(name_of(self.weight), pos.reshape(heads, d_head, -1).transpose(1, 2))]
+        if pos.shape[0] != width:
+            raise ValueError(
+                f"{name_of(self.weight)}: expected {width} output features from row "
+                f"{self.start}, found {pos.shape[0]}"
+            )
+        out = [
+            Block(
+                name_of(self.weight), _stack(pos.reshape(heads, d_head, -1).transpose(1, 2), stack)
+            )
+        ]
         if self.bias is not None:
             b0 = self.start if self.bias_start is None else self.bias_start
             bpos = positions(self.bias)[b0 : b0 + width]
-            out.append(Block(name_of(self.bias), bpos.reshape(heads, 1, d_head)))
+            out.append(Block(name_of(self.bias), _stack(bpos.reshape(heads, 1, d_head), stack)))
         return tuple(out)
 
 
+def _stack(index: Tensor, stack: int) -> Tensor:
+    """``(heads, rows, h) -> (heads / stack, stack * rows, h)``."""
+    heads, rows, h = index.shape
+    if heads % stack:
+        raise ValueError(f"{heads} heads cannot be grouped by {stack}")
+    return index.reshape(heads // stack, stack * rows, h)
+
+
 def output_blocks(
-    weight: Tensor, heads: int, d_head: int, name_of: NameOf, transposed: bool = False
+    weight: Tensor,
+    heads: int,
+    d_head: int,
+    name_of: NameOf,
+    transposed: bool = False,
+    stack: int = 1,
 ) -> tuple[Block, ...]:
-    """``H_i = W_O[:, cols of head i]`` for an output weight ``(d_out, heads * d_head)``."""
+    """``H_i = W_O[:, cols of head i]`` for an output weight ``(d_out, heads * d_head)``;
+    ``stack`` consecutive heads are stacked row-wise (grouped-query attention)."""
     pos = positions(weight)
     if transposed:
         pos = pos.t()
-    return (Block(name_of(weight), pos.reshape(pos.shape[0], heads, d_head).transpose(0, 1)),)
+    if pos.shape[1] != heads * d_head:
+        raise ValueError(
+            f"{name_of(weight)}: expected {heads * d_head} input features, found {pos.shape[1]}"
+        )
+    index = pos.reshape(pos.shape[0], heads, d_head).transpose(0, 1)
+    return (Block(name_of(weight), _stack(index, stack)),)
 
 
 def attention_pairs(
@@ -92,29 +203,55 @@ def attention_pairs(
     heads: int,
     d_head: int,
     name_of: NameOf,
-    query: Projection,
-    key: Projection,
-    value: Projection,
-    output: Tensor,
+    query: Projection | None,
+    key: Projection | None,
+    value: Projection | None,
+    output: Tensor | None,
     output_transposed: bool = False,
     extra_key_rows: tuple[Block, ...] = (),
     extra_value_rows: tuple[Block, ...] = (),
+    kv_heads: int | None = None,
+    query_key_group: str = "GL",
 ) -> list[PairSpec]:
-    """The query/key and value/output pairs of a standard multi-head attention."""
-    return [
-        PairSpec(
-            module,
-            "query-key",
-            query.blocks(heads, d_head, name_of),
-            key.blocks(heads, d_head, name_of) + extra_key_rows,
-        ),
-        PairSpec(
-            module,
-            "value-output",
-            value.blocks(heads, d_head, name_of) + extra_value_rows,
-            output_blocks(output, heads, d_head, name_of, output_transposed),
-        ),
-    ]
+    """The query/key and value/output pairs of a multi-head attention.
+
+    ``kv_heads`` (default ``heads``) key/value heads shared by ``heads / kv_heads``
+    query heads each (grouped-query / multi-query attention): one query/key and one
+    value/output pair per key/value head. ``query_key_group`` is ``"rotary"`` under
+    rotary position embeddings. A ``None`` projection leaves its pair out.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"{module}: {heads} query heads cannot share {kv_heads} key heads")
+    stack = heads // kv_heads
+    note = f"{stack} query heads share each key/value head" if stack > 1 else ""
+    pairs = []
+    if query is not None and key is not None:
+        pairs.append(
+            PairSpec(
+                module,
+                "query-key",
+                query.blocks(heads, d_head, name_of, stack),
+                key.blocks(kv_heads, d_head, name_of) + extra_key_rows,
+                group=query_key_group,
+                note=note,
+            )
+        )
+    if value is not None and output is not None:
+        pairs.append(
+            PairSpec(
+                module,
+                "value-output",
+                value.blocks(kv_heads, d_head, name_of) + extra_value_rows,
+                output_blocks(output, heads, d_head, name_of, output_transposed, stack),
+                note=note,
+            )
+        )
+    return pairs
+
+
+def linear_projection(layer: nn.Module) -> Projection:
+    return Projection(layer.weight, layer.bias)
 
 
 # --- torch.nn ---------------------------------------------------------------------
@@ -139,58 +276,106 @@ def _multihead_attention(module: nn.Module, prefix: str, name_of: NameOf) -> lis
     # they act as one more row of H (query/key) and of G (value/output).
     extra_k = extra_v = ()
     if module.bias_k is not None:
-        extra_k = (Block(name_of(module.bias_k), positions(module.bias_k).reshape(heads, 1, d_head)),)
-        extra_v = (Block(name_of(module.bias_v), positions(module.bias_v).reshape(heads, 1, d_head)),)
+        extra_k = (
+            Block(name_of(module.bias_k), positions(module.bias_k).reshape(heads, 1, d_head)),
+        )
+        extra_v = (
+            Block(name_of(module.bias_v), positions(module.bias_v).reshape(heads, 1, d_head)),
+        )
+    plain = plain_linear(module.out_proj, prefix, "out_proj")
+    out_proj = module.out_proj.weight if plain else None
     return attention_pairs(
-        prefix, heads, d_head, name_of, q, k, v, module.out_proj.weight,
-        extra_key_rows=extra_k, extra_value_rows=extra_v,
+        prefix,
+        heads,
+        d_head,
+        name_of,
+        q,
+        k,
+        v,
+        out_proj,
+        extra_key_rows=extra_k,
+        extra_value_rows=extra_v,
     )
 
 
 register_handler(nn.MultiheadAttention, _multihead_attention)
 
 
-# --- Hugging Face transformers ------------------------------------------------------
+# --- timm-style attention with a fused qkv linear layer -----------------------------
+#
+# timm's ``vision_transformer.Attention`` (and modules built the same way):
+# ``qkv = nn.Linear(dim, 3 * heads * head_dim)`` whose output features are ordered
+# (q | k | v) x heads x head_dim, optional per-head ``q_norm`` / ``k_norm``, an optional
+# ``norm`` on the concatenated heads, then ``proj``. Recognised by structure, since
+# timm itself need not be importable.
+
+_TIMM_CHILDREN = {"qkv", "q_norm", "k_norm", "attn_drop", "norm", "proj", "proj_drop"}
 
 
-def _linear(layer: nn.Module) -> Projection:
-    return Projection(layer.weight, layer.bias)
+def _is_identity(module: nn.Module | None) -> bool:
+    return module is None or isinstance(module, nn.Identity)
 
 
-def _hf_self_output(module: nn.Module, prefix: str, name_of: NameOf) -> list[PairSpec]:
-    """BERT-family ``XxxAttention``: ``.self`` holds query/key/value, ``.output.dense``
-    the output projection (also the ViT layout of transformers 4.x, where the
-    self-attention is ``.attention``)."""
-    inner = module.self if hasattr(module, "self") else module.attention
-    kind = getattr(inner, "position_embedding_type", "absolute")
-    if kind not in (None, "absolute"):
-        raise NotImplementedError(
-            f"{prefix}: position_embedding_type={kind!r} adds position terms to the "
-            "query/key scores and breaks their GL(d_head) symmetry; not supported"
-        )
-    heads = inner.num_attention_heads
-    d_head = inner.attention_head_size
-    return attention_pairs(
-        prefix, heads, d_head, name_of,
-        _linear(inner.query), _linear(inner.key), _linear(inner.value),
-        module.output.dense.weight,
+def _linear_like(layer: object) -> bool:
+    """An ``nn.Linear``, or an adapter wrapping one (peft's ``base_layer``)."""
+    base = getattr(layer, "get_base_layer", None)
+    return isinstance(layer, nn.Linear) or (callable(base) and isinstance(base(), nn.Linear))
+
+
+def is_timm_attention(module: nn.Module) -> bool:
+    """A module named ``Attention`` with exactly timm's structure: ``qkv`` and ``proj``
+    linear layers (possibly wrapped by adapters), ``num_heads``, no parameters of its
+    own, no other children, and a ``forward`` that takes no position argument (no
+    rotary embedding)."""
+    if type(module).__name__ != "Attention":
+        return False
+    qkv, proj = getattr(module, "qkv", None), getattr(module, "proj", None)
+    heads = getattr(module, "num_heads", None)
+    if not (_linear_like(qkv) and _linear_like(proj) and isinstance(heads, int)):
+        return False
+    if set(dict(module.named_children())) - _TIMM_CHILDREN or any(
+        True for _ in module.named_parameters(recurse=False)
+    ):
+        return False
+    width = proj.in_features
+    if qkv.out_features != 3 * width or width % heads:
+        return False
+    accepted = {"self", "x", "attn_mask", "mask"}
+    params = inspect.signature(type(module).forward).parameters
+    return set(params) <= accepted
+
+
+def _timm_attention(module: nn.Module, prefix: str, name_of: NameOf) -> list[PairSpec]:
+    """timm-style fused-qkv attention. Per-head ``q_norm``/``k_norm`` (LayerNorm,
+    RMSNorm) normalise queries and keys: the query/key symmetry is gone, only the
+    value/output pair is kept; a ``norm`` before ``proj`` likewise removes the
+    value/output pair."""
+    heads = module.num_heads
+    width = module.proj.in_features
+    d_head = getattr(module, "head_dim", width // heads)
+    if d_head * heads != width:
+        return []
+    qkv = module.qkv
+    if not plain_linear(qkv, prefix, "qkv"):
+        return nested_pairs(module, prefix, name_of)
+    q, k, v = (Projection(qkv.weight, qkv.bias, start=i * width) for i in range(3))
+    if not (
+        _is_identity(getattr(module, "q_norm", None))
+        and _is_identity(getattr(module, "k_norm", None))
+    ):
+        q = k = None
+    output = module.proj.weight if plain_linear(module.proj, prefix, "proj") else None
+    if not _is_identity(getattr(module, "norm", None)):
+        output = None
+    return attention_pairs(prefix, heads, d_head, name_of, q, k, v, output) + nested_pairs(
+        module, prefix, name_of
     )
 
 
-def _hf_qkvo(module: nn.Module, prefix: str, name_of: NameOf) -> list[PairSpec]:
-    """Attention with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` linear layers and no
-    position-dependent rotation of queries and keys (ViT in transformers 5.x)."""
-    if not hasattr(module, "q_proj"):
-        return _hf_self_output(module, prefix, name_of)
-    heads = module.num_attention_heads
-    d_head = module.head_dim
-    out = module.o_proj if hasattr(module, "o_proj") else module.out_proj
-    return attention_pairs(
-        prefix, heads, d_head, name_of,
-        _linear(module.q_proj), _linear(module.k_proj), _linear(module.v_proj), out.weight,
-    )
+register_matcher(is_timm_attention, _timm_attention)
 
 
-register_handler("transformers.models.bert.modeling_bert.BertAttention", _hf_self_output)
-
-register_handler("transformers.models.vit.modeling_vit.ViTAttention", _hf_qkvo)
+# Handlers of other libraries register themselves at import (by qualified class name;
+# neither transformers nor peft is imported).
+from . import hf_handlers as _hf_handlers  # noqa: E402, F401
+from . import peft_handlers as _peft_handlers  # noqa: E402, F401

@@ -1,16 +1,18 @@
 """Symmetric pairs ``(G, H)``: where their entries live in the model's parameters.
 
 A pair is a building block ``f(G H^T)``, invariant under ``(G, H) -> (G A, H A^{-T})``
-for ``A`` in ``GL(h)`` (MATH.md, section 1). Its blocks are assembled from slices of
-the model's parameters; we record, for every entry of ``G`` and ``H``, *which*
-parameter entry it is. Handlers describe layouts with ordinary tensor code applied to
-:func:`positions` (``arange`` shaped like the parameter), e.g. the query block of head
-``i`` of an ``nn.Linear`` weight ``W`` (``out x in``) is
+for ``A`` in ``GL(h)``, or in a subgroup of it where the block is not a function of
+``G H^T`` alone (rotary position embeddings; MATH.md, section 1). Its blocks are
+assembled from slices of the model's parameters; we record, for every entry of ``G``
+and ``H``, *which* parameter entry it is. Handlers describe layouts with ordinary
+tensor code applied to :func:`positions` (``arange`` shaped like the parameter), e.g.
+the query block of head ``i`` of an ``nn.Linear`` weight ``W`` (``out x in``) is
 ``positions(W).view(heads, d_head, d_in).transpose(1, 2)``.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,13 +61,15 @@ def _concat_rows(blocks: Sequence[Block]) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PairSpec:
-    """``heads`` GL(h) pairs of one module, stacked: ``G`` is ``(heads, n, h)``,
-    ``H`` is ``(heads, m, h)``; rows of ``G`` (``H``) are the rows of ``g_blocks``
-    (``h_blocks``) concatenated in order.
+    """``heads`` pairs of one module, stacked: ``G`` is ``(heads, n, h)``, ``H`` is
+    ``(heads, m, h)``; rows of ``G`` (``H``) are the rows of ``g_blocks`` (``h_blocks``)
+    concatenated in order.
 
-    ``kind`` names the role (``"query-key"``, ``"value-output"``, ``"lora"``, ...);
-    ``group`` is ``"GL"`` for the full group (the only one the geometry handles in
-    this version).
+    ``kind`` names the role (``"query-key"``, ``"value-output"``, ``"lora"``, ...).
+    ``group`` is the symmetry group acting as ``(G, H) -> (G A, H A^{-T})``: ``"GL"``
+    (every invertible ``A``) or ``"rotary"`` (``A`` a complex scalar on each plane
+    ``(j, j + h/2)``: the query/key symmetry left by rotary position embeddings,
+    MATH.md section 1). ``note`` is free text for :meth:`Symmetries.summary`.
     """
 
     module: str
@@ -73,14 +77,18 @@ class PairSpec:
     g_blocks: tuple[Block, ...]
     h_blocks: tuple[Block, ...]
     group: str = "GL"
+    note: str = ""
 
     def __post_init__(self) -> None:
-        hg, n, cg = _concat_rows(self.g_blocks)
-        hh, m, ch = _concat_rows(self.h_blocks)
+        from ..geometry.subgroup import check_group
+
+        hg, _, cg = _concat_rows(self.g_blocks)
+        hh, _, ch = _concat_rows(self.h_blocks)
         if hg != hh or cg != ch:
             raise ValueError(
                 f"pair {self.name}: G is (heads={hg}, h={cg}) but H is (heads={hh}, h={ch})"
             )
+        check_group(self.group, cg)
 
     @property
     def name(self) -> str:
@@ -96,13 +104,19 @@ class PairSpec:
     def params(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.param for b in self.g_blocks + self.h_blocks))
 
+    @property
+    def group_label(self) -> str:
+        """E.g. ``"GL(64) x 12 heads"`` or ``"rotary(128) x 8 heads"``."""
+        heads, _, _, h = self.shape
+        return f"{self.group}({h}) x {heads} head{'s' if heads != 1 else ''}"
+
 
 @dataclass
 class Symmetries:
     """The parameter symmetries of a model, as found by :func:`find_symmetries`.
 
-    ``pairs``: every GL(h) pair block; ``elementwise``: parameters (or the parts of
-    parameters) outside any pair, which keep the element-wise rescaling geometry;
+    ``pairs``: every pair block (``GL(h)`` or a subgroup); ``elementwise``: parameters
+    (or the parts of parameters) outside any pair, which keep the element-wise rescaling geometry;
     ``unrecognized``: attention-like modules that no handler understood (their
     parameters are treated element-wise, which is safe but ignores their symmetry).
     """
@@ -113,8 +127,10 @@ class Symmetries:
 
     def coverage(self) -> dict[str, Tensor]:
         """For every parameter, how many pair entries use each of its entries."""
-        counts = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.long)
-                  for n, s in self.parameters.items()}
+        counts = {
+            n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.long)
+            for n, s in self.parameters.items()
+        }
         for pair in self.pairs:
             for block in pair.g_blocks + pair.h_blocks:
                 counts[block.param].index_add_(
@@ -158,28 +174,79 @@ class Symmetries:
             grouped[pair.module].append(pair)
         return dict(grouped)
 
-    def summary(self) -> str:
-        """A table: one line per module with its pairs, then the element-wise rest."""
-        lines = [f"{'module':<48} {'pair':<14} {'heads':>5} {'n':>5} {'m':>5} {'h':>4}  group"]
-        for pair in self.pairs:
-            heads, n, m, h = pair.shape
-            lines.append(
-                f"{pair.module:<48} {pair.kind:<14} {heads:>5} {n:>5} {m:>5} {h:>4}  "
-                f"{pair.group}({h})"
-            )
-        n_heads = sum(p.shape[0] for p in self.pairs)
-        elementwise = self.elementwise
-        lines.append(
-            f"{len(self.pairs)} pair blocks, {n_heads} GL pairs in all; "
-            f"{len(elementwise)} of {len(self.parameters)} parameters (wholly or partly) "
-            "element-wise"
+    def with_pairs(self, *pairs: PairSpec) -> Symmetries:
+        """A copy with ``pairs`` added (e.g. from :func:`~geosharp.symmetry.declare_pair`),
+        validated; modules named by the new pairs leave ``unrecognized``."""
+        modules = {p.module for p in pairs}
+        out = Symmetries(
+            pairs=[*self.pairs, *pairs],
+            parameters=dict(self.parameters),
+            unrecognized=[u for u in self.unrecognized if u not in modules],
         )
+        out.validate()
+        return out
+
+    def summary(self) -> str:
+        """Per module, the pairs and their groups; per layer, the parameters left to the
+        element-wise (adaptive) geometry; then the attention-like modules not
+        recognised."""
+        lines = []
+        heads_total = sum(p.shape[0] for p in self.pairs)
+        groups = sorted({p.group for p in self.pairs})
+        n_modules = len(self.by_module())
+        lines.append(
+            f"{len(self.pairs)} pair blocks ({heads_total} pairs; groups: "
+            f"{', '.join(groups) or 'none'}) in {n_modules} module{'s' * (n_modules != 1)}"
+        )
+        for module, pairs in self.by_module().items():
+            lines.append(f"{module or '<root>'}")
+            for pair in pairs:
+                _, n, m, h = pair.shape
+                extra = f"  ({pair.note})" if pair.note else ""
+                lines.append(
+                    f"    {pair.kind:<14} {pair.group_label:<24} G {n}x{h}, H {m}x{h}{extra}"
+                )
+                lines.append(f"    {'':<14} uses {', '.join(pair.params)}")
+
+        coverage = self.coverage()
+        partial = {n for n, c in coverage.items() if bool((c == 0).any() and (c > 0).any())}
+        rest = [n for n, c in coverage.items() if bool((c == 0).any())]
+        lines.append(
+            f"element-wise geometry: {len(rest)} of {len(self.parameters)} parameters"
+            + (" ('*': partly, the rest in pairs)" if partial else "")
+        )
+        by_layer: dict[str, list[str]] = defaultdict(list)
+        for name in rest:
+            layer, local = _layer_of(name)
+            by_layer[layer].append(local + ("*" if name in partial else ""))
+        for layer, names in by_layer.items():
+            lines.append(
+                textwrap.fill(
+                    f"{layer or '<root>'}: {', '.join(names)}",
+                    width=100,
+                    initial_indent="    ",
+                    subsequent_indent="        ",
+                    break_on_hyphens=False,
+                )
+            )
         if self.unrecognized:
             lines.append(
-                "NOT RECOGNISED (treated element-wise, symmetry ignored): "
-                + ", ".join(self.unrecognized)
+                "NOT RECOGNISED: attention-like modules whose symmetries are ignored "
+                "(their parameters are element-wise); declare their pairs with "
+                "geosharp.symmetry.declare_pair or register_handler:"
             )
+            lines.extend(f"    {u}" for u in self.unrecognized)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _layer_of(name: str) -> tuple[str, str]:
+    """Split a parameter name into its layer (up to the first numeric component, else
+    the parent module) and the rest: ``("model.layers.0", "mlp.up_proj.weight")``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1]), ".".join(parts[i + 1 :])
+    return ".".join(parts[:-1]), parts[-1]

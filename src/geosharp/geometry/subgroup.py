@@ -1,0 +1,238 @@
+r"""Pairs whose symmetry is a subgroup ``K`` of ``GL(h)`` (MATH.md section 1).
+
+Rotary position embeddings (RoPE) rotate queries and keys by position before their
+product, so the query/key pair keeps only the transforms that commute with every
+rotation: in the "rotate half" layout (planes ``(j, j + h/2)``), matrices that act on
+each plane as a complex scalar ``[[a, -b], [b, a]]``. Its Lie algebra ``k`` has
+dimension ``h`` and the basis
+
+.. math:: A_j = e_j e_j^T + e_{j'} e_{j'}^T, \qquad B_j = e_{j'} e_j^T - e_j e_{j'}^T,
+          \qquad j' = j + h/2.
+
+The metrics are the same (they are ``GL(h)``-invariant, hence ``K``-invariant), and so
+are the geodesics; only the vertical space shrinks to ``{V(L) = (G L, -H L^T): L in k}``.
+The g-orthogonal projection onto the ``K``-horizontal space is ``xi - V(L)`` with
+``L = sum_a c_a E_a`` solving the ``dim k`` linear equations
+
+.. math:: \sum_b g(V(E_a), V(E_b))\, c_b = g(\xi, V(E_a)) = \operatorname{tr}(R(\xi) E_a),
+
+i.e. ``Pi_k(R(xi - V(L))^T) = 0``. The Gram matrix of the vertical basis is SPD for
+full-rank pairs; it is built from ``h x h`` matrices only (float64, batched):
+``R(V(L)) = X_1 L^T Y_1 + X_2 L^T Y_2`` with ``(X_1, Y_1, X_2, Y_2) =
+(P^{-1}, G^T G, H^T H, Q^{-1})`` for ``inv`` and ``(Q, G^T G, H^T H, P)`` for ``mix``.
+
+>>> import torch
+>>> from geosharp.geometry.pairs import InvMetric
+>>> g = torch.Generator().manual_seed(0)
+>>> G = torch.randn(3, 9, 4, generator=g, dtype=torch.float64)
+>>> H = torch.randn(3, 7, 4, generator=g, dtype=torch.float64)
+>>> state = restrict_state(InvMetric().state(G, H), "rotary")
+>>> xi = state.project_horizontal((torch.randn_like(G), torch.randn_like(H)))
+>>> bool(state.horizontal_residual(xi).abs().max() < 1e-12)
+True
+>>> A = random_group_elements("rotary", 3, 4, cond=10.0)  # complex scalars per plane
+>>> bool(torch.allclose(A[:, :2, :2], A[:, 2:, 2:]))  # the "a" parts of both planes
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .pairs import InvState, MixState, PairState, Tangent
+
+__all__ = [
+    "GROUPS",
+    "SubgroupState",
+    "lie_algebra_basis",
+    "random_group_elements",
+    "restrict_state",
+]
+
+_F64 = torch.float64
+
+GROUPS = ("GL", "rotary")
+"""Symmetry groups a pair may declare: the full ``GL(h)`` or the RoPE subgroup."""
+
+
+def check_group(group: str, h: int) -> None:
+    """Raise unless ``group`` is known and fits ``h`` columns."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown symmetry group {group!r}: use one of {', '.join(GROUPS)}")
+    if group == "rotary" and h % 2:
+        raise ValueError(f"the rotary group needs an even head dimension, got h={h}")
+
+
+def lie_algebra_basis(group: str, h: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sparse basis of the Lie algebra ``k``: ``rows, cols`` (int64) and ``signs``
+    (float64), each ``(dim k, 2)``; basis element ``a`` is
+    ``sum_s signs[a, s] e_{rows[a, s]} e_{cols[a, s]}^T``. The elements are mutually
+    Frobenius-orthogonal, each of squared norm 2."""
+    check_group(group, h)
+    if group != "rotary":
+        raise ValueError(f"group {group!r} is the full group: it needs no sparse basis")
+    half = h // 2
+    j = torch.arange(half)
+    jp = j + half
+    rows = torch.cat([torch.stack([j, jp], 1), torch.stack([jp, j], 1)])
+    cols = torch.cat([torch.stack([j, jp], 1), torch.stack([j, jp], 1)])
+    signs = torch.cat(
+        [torch.ones(half, 2, dtype=_F64), torch.tensor([[1.0, -1.0]], dtype=_F64).expand(half, 2)]
+    )
+    return rows, cols, signs
+
+
+def random_group_elements(
+    group: str, heads: int, h: int, cond: float, generator: torch.Generator | None = None
+) -> Tensor:
+    """``heads`` random elements of ``group`` with condition number ``cond`` (float64).
+
+    ``rotary``: on each plane ``(j, j + h/2)`` the complex scalar ``r_j e^{i phi_j}``,
+    ``r_j`` log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (shuffled), ``phi_j`` uniform.
+    """
+    check_group(group, h)
+    if group == "GL":
+        from ..symmetry.check import random_matrices
+
+        return random_matrices(heads, h, cond, generator)
+    half = h // 2
+    log_half = 0.5 * torch.log(torch.tensor(float(cond), dtype=_F64))
+    r = torch.exp(torch.linspace(-1.0, 1.0, half, dtype=_F64) * log_half)
+    r = r[torch.stack([torch.randperm(half, generator=generator) for _ in range(heads)])]
+    phi = 2 * torch.pi * torch.rand(heads, half, generator=generator, dtype=_F64)
+    a, b = torch.diag_embed(r * torch.cos(phi)), torch.diag_embed(r * torch.sin(phi))
+    return torch.cat([torch.cat([a, -b], -1), torch.cat([b, a], -1)], -2)
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.transpose(-1, -2)
+
+
+@dataclass
+class SubgroupState(PairState):
+    """Geometry of a batch of pairs whose symmetry is the subgroup ``group``.
+
+    Everything but the vertical space is the full group's (``base``): metric,
+    gradient, geodesic acceleration and sampling delegate to it.
+    """
+
+    base: PairState
+    group: str
+    rows: Tensor  # (k, 2) basis of the Lie algebra
+    cols: Tensor
+    signs: Tensor
+    chol: Tensor  # (B, k, k) Cholesky factor of g(V(E_a), V(E_b))
+
+    def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
+        return self.base.inner(xi, eta)
+
+    def egrad2rgrad(self, egrad: Tangent) -> Tangent:
+        return self.base.egrad2rgrad(egrad)
+
+    def geodesic_acceleration(self, xi: Tangent) -> Tangent:
+        return self.base.geodesic_acceleration(xi)
+
+    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+        return self.base.sample(generator)
+
+    def _coordinates(self, R: Tensor) -> Tensor:
+        """``tr(R E_a)`` for every basis element: ``(B, k)``."""
+        # tr(R E) = sum_s sign_s R[col_s, row_s]
+        return (R[..., self.cols, self.rows] * self.signs).sum(-1)
+
+    def _element(self, c: Tensor) -> Tensor:
+        """``sum_a c_a E_a`` as dense ``(B, h, h)`` matrices."""
+        h = self.G.shape[-1]
+        flat = (self.rows * h + self.cols).reshape(-1)
+        values = (c.unsqueeze(-1) * self.signs).reshape(*c.shape[:-1], -1)
+        out = torch.zeros(*c.shape[:-1], h * h, dtype=c.dtype, device=c.device)
+        return out.index_add(-1, flat.to(c.device), values).view(*c.shape[:-1], h, h)
+
+    def horizontal_residual(self, xi: Tangent) -> Tensor:
+        """``Pi_k(R^T)^T``: ``tr(. L)`` agrees with ``R`` for ``L`` in ``k``; zero iff
+        ``xi`` is horizontal for the subgroup."""
+        R = self.base.horizontal_residual(xi)
+        return _t(self._element(0.5 * self._coordinates(R)))
+
+    def vertical_coefficient(self, xi: Tangent) -> Tensor:
+        x = (xi[0].to(_F64), xi[1].to(_F64))
+        rhs = self._coordinates(self.base.horizontal_residual(x))
+        c = torch.cholesky_solve(rhs.unsqueeze(-1), self.chol).squeeze(-1)
+        return self._element(c)
+
+
+def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
+    """``M_ab = g(V(E_a), V(E_b)) = tr(R(V(E_b)) E_a)`` for the sparse basis."""
+    Gg = _t(state.G) @ state.G
+    Hg = _t(state.H) @ state.H
+    if isinstance(state, InvState):
+        terms = ((state.P_inv, Gg), (Hg, state.Q_inv))
+    elif isinstance(state, MixState):
+        terms = ((state.Q, Gg), (Hg, state.P))
+    else:
+        return _vertical_gram_generic(state, rows, cols, signs)
+    # tr(X E_b^T Y E_a), E_b = sum_s sb_s e_{p_s} e_{q_s}^T, E_a = sum_t sa_t e_{u_t} e_{v_t}^T:
+    # sum_{s,t} sb_s sa_t X[v_t, q_s] Y[p_s, u_t].
+    k = rows.shape[0]
+    M = torch.zeros(*state.G.shape[:-2], k, k, dtype=_F64, device=state.G.device)
+    for X, Y in terms:
+        for s in range(rows.shape[1]):
+            for t in range(rows.shape[1]):
+                xv = X[..., cols[:, t].unsqueeze(1), cols[:, s].unsqueeze(0)]  # [a, b]
+                yv = Y[..., rows[:, s].unsqueeze(0), rows[:, t].unsqueeze(1)]  # [a, b]
+                M = M + signs[:, t].unsqueeze(1) * signs[:, s].unsqueeze(0) * xv * yv
+    return 0.5 * (M + _t(M))
+
+
+def _vertical_gram_generic(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
+    """Slow path for other metrics: ``g(V(E_a), V(E_b))`` from ``state.inner``."""
+    h = state.G.shape[-1]
+    k = rows.shape[0]
+    basis = torch.zeros(k, h, h, dtype=_F64, device=state.G.device)
+    for a in range(k):
+        for s in range(rows.shape[1]):
+            basis[a, rows[a, s], cols[a, s]] += signs[a, s]
+    vertical = [state.vertical(basis[a]) for a in range(k)]
+    M = torch.stack(
+        [
+            torch.stack([state.inner(vertical[a], vertical[b]) for b in range(k)], -1)
+            for a in range(k)
+        ],
+        -2,
+    )
+    return 0.5 * (M + _t(M))
+
+
+def restrict_state(state: PairState, group: str) -> PairState:
+    """The geometry of ``state``'s pairs for the symmetry ``group``; ``"GL"`` returns
+    ``state`` itself."""
+    h = state.G.shape[-1]
+    check_group(group, h)
+    if group == "GL":
+        return state
+    rows, cols, signs = lie_algebra_basis(group, h)
+    rows, cols = rows.to(state.G.device), cols.to(state.G.device)
+    signs = signs.to(state.G.device)
+    M = _vertical_gram(state, rows, cols, signs)
+    chol, info = torch.linalg.cholesky_ex(M)
+    if bool((info != 0).any()):
+        raise torch.linalg.LinAlgError(
+            f"the vertical space of a {group!r} pair is degenerate: a pair is rank deficient"
+        )
+    return SubgroupState(
+        state.G,
+        state.H,
+        state.P,
+        state.Q,
+        state.P_inv,
+        state.Q_inv,
+        base=state,
+        group=group,
+        rows=rows,
+        cols=cols,
+        signs=signs,
+        chol=chol,
+    )
