@@ -266,7 +266,10 @@ class PerturbationSpace:
         )
         out = z.mul_(self.scale)
         for block in self._metric_blocks:
-            sample = equivariant_gaussian(block.state, self.geometry.metric.name, generator)
+            sample = equivariant_gaussian(
+                block.state, self.geometry.metric.name, generator,
+                eps=getattr(self.geometry.metric, "eps", 0.0),
+            )
             block.scatter_(out, sample)
         return self.proju_(out)
 
@@ -299,7 +302,7 @@ class PerturbationSpace:
 
 def equivariant_gaussian(
     state: PairState, metric: str, generator: torch.Generator | None = None,
-    chunk: int = 1 << 22,
+    chunk: int = 1 << 22, eps: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """A Gaussian pair tangent in the metric whose draw commutes with the group action.
 
@@ -309,6 +312,10 @@ def equivariant_gaussian(
     ``N(0, P^{-1})``). Under ``(G, H) -> (G A, H A^{-T})`` each sample maps to
     ``(xiG A, xiH A^{-T})``, so symmetry-related networks see related directions.
     Heads are drawn in chunks of at most ``chunk`` Gaussian numbers.
+
+    ``inv`` with ``eps > 0`` (metric of ``P + eps I``, ``Q + eps I``) adds independent
+    ``sqrt(eps) Z`` so that the rows are ``N(0, P + eps I)``; like the relaxed metric,
+    this is equivariant only up to ``O(eps)``.
     """
     G, H = state.G, state.H
     heads, n, _ = G.shape
@@ -328,4 +335,9 @@ def equivariant_gaussian(
         W = torch.randn(count, m, h_factor.shape[1], generator=generator, dtype=G.dtype,
                         device=G.device)
         parts_h.append(W @ h_factor[sl])
-    return torch.cat(parts_g), torch.cat(parts_h)
+    xiG, xiH = torch.cat(parts_g), torch.cat(parts_h)
+    if metric == "inv" and eps:
+        root = eps**0.5
+        xiG = xiG + root * torch.randn(G.shape, generator=generator, dtype=G.dtype, device=G.device)
+        xiH = xiH + root * torch.randn(H.shape, generator=generator, dtype=H.dtype, device=H.device)
+    return xiG, xiH
