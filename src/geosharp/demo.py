@@ -126,7 +126,7 @@ def run_demo(
         verdict = "yes" if r["relative_change"] < 0.01 else "NO - moved by the symmetry"
         print_fn(
             f"{r['measure']:<14} {r['rho']:>6g} {r['original']:>10.4g} "
-            f"{r['reparameterised']:>10.4g} {r['relative_change']:>9.2%}  {verdict}"
+            f"{r['reparameterised']:>10.4g} {_percent(r['relative_change']):>9}  {verdict}"
         )
     print_fn("")
     print_fn(
@@ -152,3 +152,8 @@ def run_demo(
         )
         Path(json_path).write_text(json.dumps(payload, indent=2))
     return 0
+
+
+def _percent(x: float) -> str:
+    """A relative change as a percentage, in scientific notation below 0.01%."""
+    return f"{x:.2%}" if x >= 1e-4 or x == 0 else f"{100 * x:.0e}%"
