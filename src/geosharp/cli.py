@@ -1,4 +1,4 @@
-"""Command-line interface: ``geosharp demo | measure | symmetries | study``."""
+"""Command-line interface: ``geosharp demo | measure | symmetries | study | zoo``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ __all__ = ["main"]
 # `geosharp study NAME ...` runs `geosharp.studies.NAME.main(argv)`.
 STUDIES = {
     "diagonal": "geosharp.studies.diagonal",
+    "paper": "geosharp.studies.paper",
     "toy": "geosharp.studies.toy",
 }
 
@@ -50,10 +51,23 @@ def _build_parser() -> argparse.ArgumentParser:
     study = sub.add_parser("study", help="run a study (" + ", ".join(STUDIES) + ")")
     study.add_argument("name", choices=sorted(STUDIES))
     study.add_argument("args", nargs=argparse.REMAINDER, help="options of the study")
+
+    zoo = sub.add_parser(
+        "zoo",
+        help="model zoos (vision: ViTs on Fashion-MNIST, text: MiniLM on Rotten Tomatoes): "
+        "train | measure | report | all",
+        add_help=False,
+    )
+    zoo.add_argument("args", nargs=argparse.REMAINDER, help="see `geosharp zoo --help`")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["zoo"]:  # its own parser, so that `geosharp zoo --help` works
+        from .studies.zoo import main as zoo_main
+
+        return int(zoo_main(argv[1:]) or 0)
     args = _build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -70,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "study":
         module = importlib.import_module(STUDIES[args.name])
         return int(module.main(args.args) or 0)
+    if args.command == "zoo":
+        from .studies.zoo import main as zoo_main
+
+        return int(zoo_main(args.args) or 0)
     raise AssertionError(args.command)
 
 

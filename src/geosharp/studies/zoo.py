@@ -1,0 +1,950 @@
+"""Model zoos of small transformers: train, measure sharpness, report rank correlations.
+
+Two zoos (see ``docs/zoo.md`` for the protocol):
+
+* ``vision``: tiny Hugging Face ViTs (28x28 inputs, patch 7) trained from scratch on
+  Fashion-MNIST, hyperparameters sampled from axes (learning rate, weight decay, batch
+  size, width/depth, training-set size, label noise, augmentation);
+* ``text``: the local pretrained MiniLM BERT truncated to its first 1-2 layers,
+  fine-tuned on Rotten Tomatoes subsets (learning rate, epochs, batch size, training-set
+  size, label noise, frozen embeddings, depth).
+
+Layout under ``<out>/<zoo>/``::
+
+    models/<id>/            save_pretrained weights + meta.json (hyperparameters, errors)
+    measures/<id>.json      sharpness per measure and radius (value and per-batch values)
+    report/report.md        tables; report/*.png scatter plots; report/summary.json
+
+Every file is written atomically (temporary file, then ``os.replace``) and each step
+skips what is already complete, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+__all__ = [
+    "PRESETS",
+    "ZooPreset",
+    "granulated_tau",
+    "main",
+    "measure_zoo",
+    "report_zoo",
+    "sample_hyperparameters",
+    "train_zoo",
+]
+
+ZOOS = ("vision", "text")
+
+# The paper's Table (MATH.md section 8): Kendall tau with the generalization gap.
+PAPER_TABLE = [
+    ("diagonal networks", -0.68, -0.83, -0.86),
+    ("ImageNet, CLIP ViT-B/32 fine-tunes (72 models)", -0.41, -0.71, -0.70),
+    ("MNLI, BERT fine-tunes (35 models)", 0.06, 0.28, 0.38),
+]
+MAIN_MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
+ALL_MEASURES = (
+    "adaptive",
+    "adaptive-linf",
+    "geodesic-inv",
+    "geodesic-mix",
+    "geodesic-norm-only-inv",
+    "geodesic-norm-only-mix",
+    "geodesic-curvature-only-inv",
+    "geodesic-curvature-only-mix",
+)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@dataclass
+class ZooPreset:
+    """Everything that defines a zoo: hyperparameter axes, data sizes, measurement."""
+
+    zoo: str
+    n_models: int
+    axes: dict[str, list]  # axis -> choices; each model draws one per axis
+    fixed: dict = field(default_factory=dict)  # settings shared by all models
+    n_test: int = 1000
+    n_points: int = 256  # fixed training points for sharpness (same for every model)
+    measure_batch: int = 64
+    n_iters: int = 20
+    measures: tuple[str, ...] = ALL_MEASURES
+    rho_factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)  # times DEFAULT_RHO
+    n_boot: int = 1000
+    seed: int = 0
+    # parameters left unperturbed by every measure (the text zoos: MiniLM's 11.7M-entry
+    # word-embedding table, which dominates the cost and only sees the batch's tokens)
+    frozen_in_measure: tuple[str, ...] = ()
+
+    def rho_grid(self, measure: str) -> list[float]:
+        from ..measures import DEFAULT_RHO
+
+        return [float(DEFAULT_RHO[measure] * f) for f in self.rho_factors]
+
+
+VISION_FULL = ZooPreset(
+    zoo="vision",
+    n_models=48,
+    axes=dict(
+        lr=[1e-4, 3e-4, 1e-3, 3e-3],
+        weight_decay=[0.0, 0.01, 0.1, 0.5],
+        batch_size=[32, 64, 128, 256],
+        arch=["32x1", "32x2", "64x2", "64x4"],  # hidden width x layers
+        n_train=[500, 1000, 2000, 5000],
+        label_noise=[0.0, 0.1, 0.25],
+        augment=["none", "shift", "shift+flip"],
+    ),
+    fixed=dict(epochs=30, heads=4, patch_size=7),
+    n_test=2000,
+    n_points=512,
+    measure_batch=128,
+)
+VISION_SMOKE = ZooPreset(
+    zoo="vision",
+    n_models=4,
+    axes=dict(
+        lr=[1e-3, 3e-3],
+        weight_decay=[0.0, 0.1],
+        batch_size=[16, 32],
+        arch=["8x1", "16x1"],
+        n_train=[64, 96],
+        label_noise=[0.0, 0.2],
+        augment=["none", "shift+flip"],
+    ),
+    fixed=dict(epochs=2, heads=2, patch_size=7),
+    n_test=64,
+    n_points=32,
+    measure_batch=16,
+    n_iters=2,
+    measures=ALL_MEASURES,
+    rho_factors=(0.5, 2.0),
+    n_boot=100,
+)
+TEXT_FULL = ZooPreset(
+    zoo="text",
+    n_models=36,
+    axes=dict(
+        lr=[1e-5, 3e-5, 1e-4, 3e-4],
+        epochs=[1, 2, 4],
+        batch_size=[16, 32, 64],
+        n_train=[500, 1000, 2000, 4000],
+        label_noise=[0.0, 0.1, 0.25],
+        freeze_embeddings=[False, True],
+        layers=[1, 2],
+    ),
+    fixed=dict(max_length=48, weight_decay=0.01),
+    frozen_in_measure=("bert.embeddings.word_embeddings.weight",),
+    n_test=1000,
+    n_points=128,
+    measure_batch=64,
+)
+TEXT_SMOKE = ZooPreset(
+    zoo="text",
+    n_models=4,
+    axes=dict(
+        lr=[3e-5, 3e-4],
+        epochs=[1],
+        batch_size=[16, 32],
+        n_train=[48, 64],
+        label_noise=[0.0, 0.2],
+        freeze_embeddings=[False, True],
+        layers=[1],
+    ),
+    fixed=dict(max_length=24, weight_decay=0.01),
+    frozen_in_measure=("bert.embeddings.word_embeddings.weight",),
+    n_test=48,
+    n_points=8,
+    measure_batch=8,
+    n_iters=2,
+    measures=(
+        "adaptive",
+        "adaptive-linf",
+        "geodesic-inv",
+        "geodesic-mix",
+        "geodesic-norm-only-inv",
+        "geodesic-curvature-only-inv",
+    ),
+    rho_factors=(0.5, 2.0),
+    n_boot=100,
+)
+PRESETS: dict[tuple[str, str], ZooPreset] = {
+    ("vision", "full"): VISION_FULL,
+    ("vision", "smoke"): VISION_SMOKE,
+    ("text", "full"): TEXT_FULL,
+    ("text", "smoke"): TEXT_SMOKE,
+}
+
+
+def get_preset(zoo: str, preset: str) -> ZooPreset:
+    try:
+        return PRESETS[(zoo, preset)]
+    except KeyError:
+        raise ValueError(f"unknown zoo/preset {zoo!r}/{preset!r}") from None
+
+
+def sample_hyperparameters(preset: ZooPreset) -> list[dict]:
+    """One hyperparameter dict per model, drawn deterministically from ``preset.seed``.
+
+    Model ``i`` draws each axis uniformly from its choices with the generator seeded by
+    ``(seed, i)``, so adding models never changes the earlier ones."""
+    out = []
+    for i in range(preset.n_models):
+        rng = np.random.default_rng([preset.seed, i])
+        hp = {
+            axis: choices[int(rng.integers(len(choices)))] for axis, choices in preset.axes.items()
+        }
+        for k, v in hp.items():
+            if isinstance(v, np.generic):
+                hp[k] = v.item()
+        hp.update(preset.fixed)
+        hp["seed"] = int(preset.seed * 1000 + i)
+        hp["id"] = f"{preset.zoo}-{i:03d}"
+        out.append(hp)
+    return out
+
+
+# --------------------------------------------------------------------------- atomic I/O
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=_jsonable)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(type(x).__name__)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _noisy_labels(labels: Tensor, noise: float, classes: int, seed: int) -> Tensor:
+    """Replace a fraction ``noise`` of the labels by a different random class."""
+    if noise <= 0:
+        return labels.clone()
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    flip = torch.rand(len(labels), generator=gen) < noise
+    shift = torch.randint(1, classes, (len(labels),), generator=gen)
+    return torch.where(flip, (labels + shift) % classes, labels)
+
+
+_VISION_CACHE: dict = {}
+
+
+def vision_data(n_test: int) -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
+    """Normalised train pool (shuffled once, seed 0) and test set. Fashion-MNIST, or
+    (if its Debian package is missing) scikit-learn digits resized to 28x28."""
+    if "data" not in _VISION_CACHE:
+        from ..data import load_digits, load_fashion_mnist
+
+        try:
+            train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
+            source = "fashion-mnist"
+        except FileNotFoundError:
+            digits = load_digits()
+            digits.images = F.interpolate(digits.images, size=(28, 28), mode="bilinear")
+            train, test = digits.split(1297, seed=0)
+            source = "digits (Fashion-MNIST missing)"
+        order = torch.randperm(len(train.labels), generator=torch.Generator().manual_seed(0))
+        _VISION_CACHE["data"] = (
+            (train.images[order] - 0.5) / 0.5,
+            train.labels[order],
+            (test.images - 0.5) / 0.5,
+            test.labels,
+            source,
+        )
+    xtr, ytr, xte, yte, source = _VISION_CACHE["data"]
+    return xtr, ytr, xte[:n_test], yte[:n_test], source
+
+
+def vision_train_set(hp: dict) -> tuple[Tensor, Tensor]:
+    """The model's training set: a prefix of the pool, with its label noise."""
+    xtr, ytr, *_ = vision_data(1)
+    n = min(int(hp["n_train"]), len(ytr))
+    return xtr[:n], _noisy_labels(ytr[:n], float(hp["label_noise"]), 10, int(hp["seed"]))
+
+
+def _augment(x: Tensor, mode: str, gen: torch.Generator, max_shift: int = 2) -> Tensor:
+    """Random shifts (zero padding, up to ``max_shift`` pixels) and horizontal flips."""
+    if mode == "none":
+        return x
+    out = x
+    if "shift" in mode:
+        n, _, h, w = x.shape
+        padded = F.pad(x, (max_shift,) * 4, value=-1.0)  # -1 is black after normalising
+        dy = torch.randint(0, 2 * max_shift + 1, (n,), generator=gen)
+        dx = torch.randint(0, 2 * max_shift + 1, (n,), generator=gen)
+        rows = (dy[:, None] + torch.arange(h)[None, :])[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(w)[None, :])[:, None, None, :]
+        idx_n = torch.arange(n)[:, None, None, None]
+        out = padded[idx_n, torch.arange(x.shape[1])[None, :, None, None], rows, cols]
+    if "flip" in mode:
+        flip = torch.rand(len(out), generator=gen) < 0.5
+        out = torch.where(flip[:, None, None, None], out.flip(-1), out)
+    return out
+
+
+_TEXT_CACHE: dict = {}
+
+
+def text_data(max_length: int) -> dict:
+    """Tokenised Rotten Tomatoes (shuffled once, seed 0): ``train`` pool and ``test``
+    (the last 2,000 sentences of the shuffled set)."""
+    key = max_length
+    if key not in _TEXT_CACHE:
+        from transformers import AutoTokenizer
+
+        from ..data import load_rotten_tomatoes
+        from ..hf import resolve_checkpoint
+
+        data = load_rotten_tomatoes()
+        order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(0))
+        texts = [data.texts[int(i)] for i in order]
+        labels = data.labels[order]
+        tok = AutoTokenizer.from_pretrained(resolve_checkpoint("minilm"), local_files_only=True)
+        n_test = 2000
+
+        def encode(ts):
+            enc = tok(ts, padding="max_length", truncation=True, max_length=max_length)
+            return torch.tensor(enc["input_ids"]), torch.tensor(enc["attention_mask"])
+
+        pool, test = texts[:-n_test], texts[-n_test:]
+        _TEXT_CACHE[key] = dict(
+            train=(*encode(pool[:8000]), labels[:-n_test][:8000]),
+            test=(*encode(test), labels[-n_test:]),
+        )
+    return _TEXT_CACHE[key]
+
+
+def text_train_set(hp: dict) -> tuple[Tensor, Tensor, Tensor]:
+    ids, mask, labels = text_data(int(hp["max_length"]))["train"]
+    n = min(int(hp["n_train"]), len(labels))
+    noisy = _noisy_labels(labels[:n], float(hp["label_noise"]), 2, int(hp["seed"]))
+    return ids[:n], mask[:n], noisy
+
+
+def _text_batch(ids, mask, labels, idx=None) -> dict:
+    if idx is not None:
+        ids, mask, labels = ids[idx], mask[idx], labels[idx]
+    keep = int(mask.sum(1).max())  # drop all-padding columns
+    return {"input_ids": ids[:, :keep], "attention_mask": mask[:, :keep], "labels": labels}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(hp: dict, zoo: str):
+    if zoo == "vision":
+        from ..models.vit import tiny_vit
+
+        width, depth = (int(v) for v in str(hp["arch"]).split("x"))
+        return tiny_vit(
+            image_size=28,
+            channels=1,
+            classes=10,
+            patch_size=int(hp["patch_size"]),
+            hidden=width,
+            layers=depth,
+            heads=int(hp["heads"]),
+            mlp=2 * width,
+            seed=int(hp["seed"]),
+        )
+    from transformers import BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from ..hf import resolve_checkpoint
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the new classifier head is expected
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(hp["seed"]))
+        model = BertForSequenceClassification.from_pretrained(
+            resolve_checkpoint("minilm"),
+            num_labels=2,
+            local_files_only=True,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    hf_logging.set_verbosity(verbosity)
+    n_layers = int(hp["layers"])
+    model.bert.encoder.layer = model.bert.encoder.layer[:n_layers]
+    model.config.num_hidden_layers = n_layers
+    return model
+
+
+def load_zoo_model(model_dir: Path, zoo: str):
+    if zoo == "vision":
+        from transformers import ViTForImageClassification as cls
+    else:
+        from transformers import BertForSequenceClassification as cls
+    return cls.from_pretrained(model_dir, local_files_only=True).eval()
+
+
+def _vision_loss(model, batch) -> Tensor:
+    x, y = batch
+    return F.cross_entropy(model(pixel_values=x).logits, y)
+
+
+def _text_loss(model, batch) -> Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits, batch["labels"])
+
+
+def loss_fn_for(zoo: str):
+    return _vision_loss if zoo == "vision" else _text_loss
+
+
+@torch.no_grad()
+def _evaluate(model, zoo: str, data: tuple, batch_size: int = 256) -> tuple[float, float]:
+    """(error, mean cross-entropy)."""
+    model.eval()
+    labels = data[-1]
+    wrong, total = 0, 0.0
+    for start in range(0, len(labels), batch_size):
+        sl = slice(start, start + batch_size)
+        if zoo == "vision":
+            logits = model(pixel_values=data[0][sl]).logits
+        else:
+            b = _text_batch(data[0][sl], data[1][sl], labels[sl])
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        y = labels[sl]
+        total += float(F.cross_entropy(logits, y, reduction="sum"))
+        wrong += int((logits.argmax(-1) != y).sum())
+    return wrong / len(labels), total / len(labels)
+
+
+def train_one(hp: dict, zoo: str, n_test: int):
+    """Train one model; returns ``(model, metrics)``."""
+    model = build_model(hp, zoo)
+    if zoo == "vision":
+        x, y = vision_train_set(hp)
+        *_, xte, yte, source = vision_data(n_test)
+        train_data, test_data = (x, y), (xte, yte)
+        params = list(model.parameters())
+    else:
+        ids, mask, y = text_train_set(hp)
+        te = text_data(int(hp["max_length"]))["test"]
+        train_data = (ids, mask, y)
+        test_data = tuple(t[:n_test] for t in te)
+        source = "rotten-tomatoes"
+        if hp.get("freeze_embeddings"):
+            for p in model.bert.embeddings.parameters():
+                p.requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+    n, bs, epochs = len(y), int(hp["batch_size"]), int(hp["epochs"])
+    optimizer = torch.optim.AdamW(
+        params, lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"])
+    )
+    steps = epochs * ((n + bs - 1) // bs)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
+    gen = torch.Generator().manual_seed(int(hp["seed"]))
+    loss_fn = loss_fn_for(zoo)
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, bs):
+            idx = order[start : start + bs]
+            if zoo == "vision":
+                batch = (_augment(x[idx], str(hp["augment"]), gen), y[idx])
+            else:
+                batch = _text_batch(ids, mask, y, idx)
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            schedule.step()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.eval()
+    train_err, train_loss = _evaluate(model, zoo, train_data)
+    test_err, test_loss = _evaluate(model, zoo, test_data)
+    metrics = dict(
+        train_error=train_err,
+        train_loss=train_loss,
+        test_error=test_err,
+        test_loss=test_loss,
+        error_gap=test_err - train_err,
+        loss_gap=test_loss - train_loss,
+        n_train_actual=n,
+        n_test=len(test_data[-1]),
+        data=source,
+    )
+    return model, metrics
+
+
+def _zoo_dir(out: str | Path, preset: ZooPreset) -> Path:
+    return Path(out) / preset.zoo
+
+
+def _model_complete(model_dir: Path) -> bool:
+    return (model_dir / "meta.json").exists()
+
+
+def train_zoo(
+    preset: ZooPreset,
+    out: str | Path,
+    progress: bool = True,
+    on_model_done: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Train every model of the zoo that is not complete yet; returns the ids trained.
+
+    A model directory is complete once its ``meta.json`` exists; it is built in a
+    temporary sibling directory and moved into place with ``os.replace``."""
+    from tqdm.auto import tqdm
+
+    root = _zoo_dir(out, preset) / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(_zoo_dir(out, preset) / "preset.json", asdict(preset))
+    trained = []
+    hps = sample_hyperparameters(preset)
+    bar = tqdm(hps, desc=f"train {preset.zoo}", unit="model", disable=not progress or None)
+    for hp in bar:
+        final = root / hp["id"]
+        if _model_complete(final):
+            continue
+        start = time.time()
+        model, metrics = train_one(hp, preset.zoo, preset.n_test)
+        tmp = root / f".{hp['id']}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        meta = dict(id=hp["id"], zoo=preset.zoo, hyperparameters=hp, **metrics)
+        meta["train_seconds"] = time.time() - start
+        write_json_atomic(tmp / "meta.json", meta)
+        if final.exists():  # an incomplete leftover (no meta.json)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        trained.append(hp["id"])
+        if on_model_done is not None:
+            on_model_done(hp["id"])
+    return trained
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measurement_batches(preset: ZooPreset, hp: dict) -> list:
+    """The fixed training points (the first ``n_points`` of the pool, a prefix of every
+    model's training set), with the labels that model was trained on, in batches."""
+    bs = preset.measure_batch
+    if preset.zoo == "vision":
+        x, y = vision_train_set(hp)
+        x, y = x[: preset.n_points], y[: preset.n_points]
+        return [(x[s : s + bs], y[s : s + bs]) for s in range(0, len(y), bs)]
+    ids, mask, y = text_train_set(hp)
+    n = min(preset.n_points, len(y))
+    return [_text_batch(ids[s : s + bs], mask[s : s + bs], y[s : s + bs]) for s in range(0, n, bs)]
+
+
+def measure_zoo(
+    preset: ZooPreset,
+    out: str | Path,
+    progress: bool = True,
+    on_model_done: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Measure every trained model at every (measure, radius) of the preset.
+
+    ``measures/<id>.json`` is rewritten atomically after each measure (so a killed
+    run loses at most one measure of one model) and is marked ``complete`` at the end."""
+    from tqdm.auto import tqdm
+
+    from ..measures import measure_kwargs, sharpness
+
+    zdir = _zoo_dir(out, preset)
+    mdir = zdir / "measures"
+    mdir.mkdir(parents=True, exist_ok=True)
+    done_ids = []
+    hps = [
+        hp for hp in sample_hyperparameters(preset) if _model_complete(zdir / "models" / hp["id"])
+    ]
+    bar = tqdm(hps, desc=f"measure {preset.zoo}", unit="model", disable=not progress or None)
+    for hp in bar:
+        path = mdir / f"{hp['id']}.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        if record.get("complete"):
+            continue
+        record.setdefault("id", hp["id"])
+        record.setdefault("n_points", preset.n_points)
+        record.setdefault("batch_size", preset.measure_batch)
+        record.setdefault("n_iters", preset.n_iters)
+        results = record.setdefault("measures", {})
+        model = load_zoo_model(zdir / "models" / hp["id"], preset.zoo)
+        batches = measurement_batches(preset, hp)
+        perturbed = None
+        if preset.frozen_in_measure:
+            frozen = set(preset.frozen_in_measure)
+            perturbed = [n for n, _ in model.named_parameters() if n not in frozen]
+            record.setdefault("unperturbed_parameters", sorted(frozen))
+        for name in preset.measures:
+            per_rho = results.setdefault(name, {})
+            todo = [r for r in preset.rho_grid(name) if repr(r) not in per_rho]
+            for rho in todo:
+                res = sharpness(
+                    model,
+                    batches,
+                    loss_fn_for(preset.zoo),
+                    rho=rho,
+                    n_iters=preset.n_iters,
+                    seed=preset.seed,
+                    parameters=perturbed,
+                    **measure_kwargs(name),
+                )
+                per_rho[repr(rho)] = dict(
+                    value=res.value,
+                    per_batch=list(res.per_batch),
+                    loss=res.loss,
+                    per_batch_loss=list(res.per_batch_loss),
+                )
+            if todo:
+                write_json_atomic(path, record)
+        record["complete"] = True
+        write_json_atomic(path, record)
+        done_ids.append(hp["id"])
+        if on_model_done is not None:
+            on_model_done(hp["id"])
+    return done_ids
+
+
+# --------------------------------------------------------------------------- report
+
+
+def granulated_tau(
+    values: Sequence[float], gap: Sequence[float], hps: list[dict], axes: Sequence[str]
+) -> dict:
+    """Granulated Kendall tau (Jiang et al. 2019) for randomly sampled hyperparameters.
+
+    Jiang et al. average, for each axis ``k``, Kendall's tau over groups of models whose
+    other hyperparameters are all equal, then average over axes. With random
+    hyperparameters such groups are rare, so for axis ``k`` we take the pairs of models
+    that differ in axis ``k`` and in the *fewest* other axes present in the zoo
+    (``m_k`` others; ``m_k = 0`` is Jiang's exact setting), and let
+
+        tau_k = mean over those pairs of sign(value_i - value_j) sign(gap_i - gap_j).
+
+    On a full grid this equals Jiang's tau_k (every group along axis ``k`` has the same
+    number of pairs). Returns ``{"per_axis": {k: {tau, pairs, other_axes_differing}},
+    "granulated": mean of the tau_k}``; an axis with a single value in the zoo is left out.
+    """
+    v, g = np.asarray(values, float), np.asarray(gap, float)
+    n = len(v)
+    per_axis = {}
+    for k in axes:
+        pairs, best_m = [], None
+        for i in range(n):
+            for j in range(i + 1, n):
+                if hps[i][k] == hps[j][k]:
+                    continue
+                m = sum(hps[i][a] != hps[j][a] for a in axes if a != k)
+                if best_m is None or m < best_m:
+                    best_m, pairs = m, [(i, j)]
+                elif m == best_m:
+                    pairs.append((i, j))
+        if not pairs:
+            continue
+        s = [np.sign(v[i] - v[j]) * np.sign(g[i] - g[j]) for i, j in pairs]
+        per_axis[k] = dict(tau=float(np.mean(s)), pairs=len(pairs), other_axes_differing=best_m)
+    taus = [d["tau"] for d in per_axis.values()]
+    return dict(per_axis=per_axis, granulated=float(np.mean(taus)) if taus else float("nan"))
+
+
+def _load_zoo(preset: ZooPreset, out: str | Path) -> tuple[list[dict], list[dict]]:
+    zdir = _zoo_dir(out, preset)
+    metas, records = [], []
+    for hp in sample_hyperparameters(preset):
+        mpath = zdir / "models" / hp["id"] / "meta.json"
+        rpath = zdir / "measures" / f"{hp['id']}.json"
+        if not mpath.exists() or not rpath.exists():
+            continue
+        rec = json.loads(rpath.read_text())
+        if not rec.get("complete"):
+            continue
+        metas.append(json.loads(mpath.read_text()))
+        records.append(rec)
+    return metas, records
+
+
+def _values(records: list[dict], name: str, rho_key: str) -> np.ndarray:
+    return np.array([r["measures"][name][rho_key]["value"] for r in records], dtype=float)
+
+
+def _tau_ci(x: np.ndarray, y: np.ndarray, n_boot: int, seed: int) -> dict:
+    from .stats import kendall_tau, kendall_tau_with_ci
+
+    if len(x) < 2 or not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        nan = float("nan")
+        return dict(tau=nan, low=nan, high=nan)
+    ci = kendall_tau_with_ci(x, y, n_boot=n_boot, seed=seed)
+    return dict(tau=kendall_tau(x, y, variant="b"), low=ci.low, high=ci.high)
+
+
+def analyse(
+    preset: ZooPreset, metas: list[dict], records: list[dict], target: float | None = None
+) -> dict:
+    """Every statistic of the report (a JSON-able dict)."""
+    gaps = {
+        "error": np.array([m["error_gap"] for m in metas]),
+        "loss": np.array([m["loss_gap"] for m in metas]),
+    }
+    hps = [m["hyperparameters"] for m in metas]
+    axes = [a for a in preset.axes if len({str(h[a]) for h in hps}) > 1]
+    grid: dict = {}
+    for name in preset.measures:
+        grid[name] = {}
+        for rho in preset.rho_grid(name):
+            key = repr(rho)
+            vals = _values(records, name, key)
+            entry = dict(rho=rho, median_increase=float(np.median(vals)))
+            for gname, gap in gaps.items():
+                entry[f"tau_{gname}"] = _tau_ci(vals, gap, preset.n_boot, preset.seed)
+            entry["granulated_error"] = granulated_tau(vals, gaps["error"], hps, axes)
+            grid[name][key] = entry
+    # best radius: largest |tau| with the error gap on the grid (the sign is reported)
+    best = {}
+    for name, entries in grid.items():
+        finite = [e for e in entries.values() if np.isfinite(e["tau_error"]["tau"])]
+        if finite:
+            best[name] = max(finite, key=lambda e: abs(e["tau_error"]["tau"]))
+    # calibration: a common target median loss increase; per measure the grid radius
+    # whose median increase is closest to it in log scale
+    if target is None:
+        mids = [
+            list(entries.values())[len(entries) // 2]["median_increase"]
+            for entries in grid.values()
+        ]
+        mids = [m for m in mids if m > 0]
+        target = float(np.median(mids)) if mids else 0.0
+    calibrated = {}
+    for name, entries in grid.items():
+
+        def dist(e):
+            m = e["median_increase"]
+            if m <= 0 or target <= 0:
+                return abs(m - target)
+            return abs(np.log(m) - np.log(target))
+
+        calibrated[name] = min(entries.values(), key=dist)
+    return dict(
+        zoo=preset.zoo,
+        n_models=len(metas),
+        axes=axes,
+        target_median_increase=target,
+        grid=grid,
+        best=best,
+        calibrated=calibrated,
+        models=[
+            dict(
+                id=m["id"],
+                **{k: m[k] for k in ("train_error", "test_error", "error_gap", "loss_gap")},
+            )
+            for m in metas
+        ],
+    )
+
+
+def _fmt(t: dict) -> str:
+    if not np.isfinite(t["tau"]):
+        return "n/a"
+    return f"{t['tau']:+.2f} [{t['low']:+.2f}, {t['high']:+.2f}]"
+
+
+def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
+    zoo = summary["zoo"]
+    setting = (
+        "Fashion-MNIST, tiny ViTs from scratch"
+        if zoo == "vision"
+        else "Rotten Tomatoes, MiniLM fine-tunes"
+    )
+    lines = [
+        f"# Sharpness vs generalization: {zoo} zoo",
+        "",
+        f"{summary['n_models']} models; hyperparameter axes varied: {', '.join(summary['axes'])}.",
+        "Kendall tau (tau-b) between each measure and the generalization gap, with 95% "
+        "percentile bootstrap intervals over models.",
+        "",
+        "## The paper's table next to ours",
+        "",
+        "| setting | adaptive | geodesic, inv | geodesic, mix |",
+        "|---|---|---|---|",
+    ]
+    for row in PAPER_TABLE:
+        lines.append(f"| {row[0]} (paper) | {row[1]:+.2f} | {row[2]:+.2f} | {row[3]:+.2f} |")
+    for label, sel in (("best radius", "best"), ("calibrated radius", "calibrated")):
+        cells = [
+            _fmt(summary[sel][m]["tau_error"]) if m in summary[sel] else "n/a"
+            for m in MAIN_MEASURES
+        ]
+        lines.append(
+            f"| {setting}, {summary['n_models']} models, {label} (ours) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += [
+        "",
+        f"Calibrated radii: each measure at the grid radius whose median loss increase "
+        f"over the zoo is closest (log scale) to {summary['target_median_increase']:.4g}.",
+        "",
+        "## All measures",
+        "",
+        "| measure | best rho | tau (error gap) | tau (loss gap) | granulated tau | "
+        "calibrated rho | tau at calibrated rho |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, e in summary["best"].items():
+        c = summary["calibrated"][name]
+        gran = e["granulated_error"]["granulated"]
+        lines.append(
+            f"| {name} | {e['rho']:.4g} | {_fmt(e['tau_error'])} | {_fmt(e['tau_loss'])} | "
+            f"{gran:+.2f} | {c['rho']:.4g} | {_fmt(c['tau_error'])} |"
+        )
+    lines += [
+        "",
+        "## The whole grid",
+        "",
+        "| measure | rho | median loss increase | tau (error gap) | tau (loss gap) "
+        "| granulated tau |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, entries in summary["grid"].items():
+        for e in entries.values():
+            lines.append(
+                f"| {name} | {e['rho']:.4g} | {e['median_increase']:.4g} | {_fmt(e['tau_error'])} "
+                f"| {_fmt(e['tau_loss'])} | {e['granulated_error']['granulated']:+.2f} |"
+            )
+    lines += [
+        "",
+        "Granulated tau: per hyperparameter axis, the mean of sign(d measure) sign(d gap) over "
+        "the pairs of models that differ in that axis and in the fewest other axes; averaged "
+        "over axes (see `geosharp.studies.zoo.granulated_tau`).",
+        "",
+    ]
+    if figures:
+        lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def write_scatter(
+    summary: dict, records: list[dict], metas: list[dict], path: Path, sel: str
+) -> Path:
+    """Measure vs error gap for adaptive, geodesic inv and mix (paper's Figures 4, 5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gap = np.array([m["error_gap"] for m in metas])
+    fig, axs = plt.subplots(1, len(MAIN_MEASURES), figsize=(4 * len(MAIN_MEASURES), 3.4))
+    for ax, name in zip(np.atleast_1d(axs), MAIN_MEASURES, strict=False):
+        if name not in summary[sel]:
+            ax.set_visible(False)
+            continue
+        e = summary[sel][name]
+        vals = _values(records, name, repr(e["rho"]))
+        ax.scatter(vals, gap, s=14)
+        ax.set_xlabel(f"{name} (rho={e['rho']:.3g})")
+        ax.set_ylabel("test - train error")
+        tau = e["tau_error"]["tau"]
+        ax.set_title(f"tau = {tau:+.2f}" if np.isfinite(tau) else "tau = n/a")
+        if np.all(vals > 0) and vals.max() > 10 * vals.min():
+            ax.set_xscale("log")
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.suptitle(f"{summary['zoo']} zoo, {sel} radius")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def report_zoo(preset: ZooPreset, out: str | Path, target: float | None = None) -> dict:
+    """Write ``report/report.md``, ``report/summary.json`` and the scatter PNGs."""
+    metas, records = _load_zoo(preset, out)
+    if len(metas) < 2:
+        raise RuntimeError(f"need at least 2 trained and measured models, found {len(metas)}")
+    summary = analyse(preset, metas, records, target=target)
+    rdir = _zoo_dir(out, preset) / "report"
+    figures = [
+        write_scatter(summary, records, metas, rdir / f"{preset.zoo}_scatter_{sel}.png", sel)
+        for sel in ("best", "calibrated")
+    ]
+    write_json_atomic(rdir / "summary.json", summary)
+    _write_text_atomic(rdir / "report.md", format_report(summary, [str(f) for f in figures]))
+    return summary
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="geosharp zoo", description="model zoos: train, measure, report"
+    )
+    p.add_argument("action", choices=("train", "measure", "report", "all"))
+    p.add_argument("--zoo", choices=ZOOS, default="vision")
+    p.add_argument("--preset", choices=("smoke", "full"), default="smoke")
+    p.add_argument("--out", default="runs/zoo")
+    p.add_argument("--n-models", type=int, help="override the preset's number of models")
+    p.add_argument("--target", type=float, help="calibration target median loss increase")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import dataclasses
+
+    from transformers.utils import logging as hf_logging
+
+    args = _parser().parse_args(argv)
+    hf_logging.disable_progress_bar()  # ours are enough
+    torch.set_num_threads(max(1, args.threads))
+    preset = get_preset(args.zoo, args.preset)
+    if args.n_models is not None:
+        preset = dataclasses.replace(preset, n_models=args.n_models)
+    progress = not args.no_progress
+    if args.action in ("train", "all"):
+        ids = train_zoo(preset, args.out, progress=progress)
+        print(f"trained {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'models'}")
+    if args.action in ("measure", "all"):
+        ids = measure_zoo(preset, args.out, progress=progress)
+        print(f"measured {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'measures'}")
+    if args.action in ("report", "all"):
+        summary = report_zoo(preset, args.out, target=args.target)
+        path = Path(args.out) / preset.zoo / "report" / "report.md"
+        print(f"report of {summary['n_models']} models: {path}")
+    return 0

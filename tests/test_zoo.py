@@ -1,0 +1,160 @@
+"""Model zoos: smoke presets end to end, resume after a kill, atomic files, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from geosharp.studies import zoo
+
+
+class Killed(Exception):
+    pass
+
+
+def _kill_after_first(_id):
+    raise Killed(_id)
+
+
+def _snapshot(directory):
+    return {
+        p.relative_to(directory).as_posix(): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module", params=["vision", "text"])
+def smoke_zoo(request, tmp_path_factory):
+    """Train (killed after the first model, then resumed), measure (idem) and report."""
+    preset = zoo.get_preset(request.param, "smoke")
+    out = tmp_path_factory.mktemp(f"zoo-{request.param}")
+    with pytest.raises(Killed):
+        zoo.train_zoo(preset, out, progress=False, on_model_done=_kill_after_first)
+    models = out / preset.zoo / "models"
+    first = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
+    assert first == [f"{preset.zoo}-000"]
+    before = _snapshot(models / first[0])
+    trained = zoo.train_zoo(preset, out, progress=False)
+    assert trained == [f"{preset.zoo}-{i:03d}" for i in range(1, preset.n_models)]
+    assert _snapshot(models / first[0]) == before  # not retrained, not rewritten
+
+    with pytest.raises(Killed):
+        zoo.measure_zoo(preset, out, progress=False, on_model_done=_kill_after_first)
+    measured = zoo.measure_zoo(preset, out, progress=False)
+    assert len(measured) == preset.n_models - 1
+    summary = zoo.report_zoo(preset, out)
+    return preset, out, summary
+
+
+def test_layout_and_meta(smoke_zoo):
+    preset, out, _ = smoke_zoo
+    root = out / preset.zoo
+    hps = zoo.sample_hyperparameters(preset)
+    for hp in hps:
+        d = root / "models" / hp["id"]
+        assert (d / "config.json").exists() and (d / "model.safetensors").exists()
+        meta = json.loads((d / "meta.json").read_text())
+        assert meta["hyperparameters"] == hp
+        for k in ("train_error", "test_error", "train_loss", "test_loss"):
+            assert math.isfinite(meta[k])
+        assert meta["error_gap"] == pytest.approx(meta["test_error"] - meta["train_error"])
+        rec = json.loads((root / "measures" / f"{hp['id']}.json").read_text())
+        assert rec["complete"]
+        for name in preset.measures:
+            assert sorted(rec["measures"][name]) == sorted(map(repr, preset.rho_grid(name)))
+            for entry in rec["measures"][name].values():
+                assert len(entry["per_batch"]) == math.ceil(preset.n_points / preset.measure_batch)
+                assert entry["value"] == pytest.approx(np.mean(entry["per_batch"]))
+    # no temporary files left behind (atomic writes)
+    assert not [p for p in root.rglob("*") if p.name.startswith(".")]
+
+
+def test_resume_is_a_no_op(smoke_zoo):
+    preset, out, _ = smoke_zoo
+    before = _snapshot(out / preset.zoo / "models")
+    measures_before = _snapshot(out / preset.zoo / "measures")
+    assert zoo.train_zoo(preset, out, progress=False) == []
+    assert zoo.measure_zoo(preset, out, progress=False) == []
+    assert _snapshot(out / preset.zoo / "models") == before
+    assert _snapshot(out / preset.zoo / "measures") == measures_before
+
+
+def test_report(smoke_zoo):
+    preset, out, summary = smoke_zoo
+    assert summary["n_models"] == preset.n_models
+    for name in preset.measures:
+        for entry in summary["grid"][name].values():
+            for gap in ("tau_error", "tau_loss"):
+                t = entry[gap]
+                if math.isfinite(t["tau"]):
+                    assert -1 <= t["tau"] <= 1
+                    assert t["low"] - 1e-12 <= t["high"]
+            g = entry["granulated_error"]["granulated"]
+            assert math.isnan(g) or -1 <= g <= 1
+        assert summary["calibrated"][name]["rho"] in preset.rho_grid(name)
+    rdir = out / preset.zoo / "report"
+    text = (rdir / "report.md").read_text()
+    assert "| setting | adaptive | geodesic, inv | geodesic, mix |" in text
+    assert "MNLI, BERT fine-tunes (35 models) (paper) | +0.06 | +0.28 | +0.38 |" in text
+    assert "(ours)" in text
+    for sel in ("best", "calibrated"):
+        png = rdir / f"{preset.zoo}_scatter_{sel}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((rdir / "summary.json").read_text())["zoo"] == preset.zoo
+
+
+def test_sampling_is_deterministic_and_prefix_stable():
+    preset = zoo.get_preset("vision", "full")
+    hps = zoo.sample_hyperparameters(preset)
+    assert len(hps) >= 40 and len(zoo.sample_hyperparameters(zoo.get_preset("text", "full"))) >= 30
+    assert hps == zoo.sample_hyperparameters(preset)
+    more = zoo.sample_hyperparameters(dataclasses.replace(preset, n_models=preset.n_models + 5))
+    assert more[: len(hps)] == hps
+    for axis in preset.axes:  # every axis actually varies over the zoo
+        assert len({str(h[axis]) for h in hps}) > 1
+
+
+def test_granulated_tau_on_a_grid():
+    # full 2x2 grid; the measure equals the gap: every axis gives tau 1
+    hps = [dict(a=a, b=b) for a in (0, 1) for b in (0, 1)]
+    gap = [0.1, 0.3, 0.2, 0.5]
+    out = zoo.granulated_tau(gap, gap, hps, ["a", "b"])
+    assert out["granulated"] == 1.0
+    assert all(d["other_axes_differing"] == 0 and d["pairs"] == 2 for d in out["per_axis"].values())
+    out = zoo.granulated_tau([-g for g in gap], gap, hps, ["a", "b"])
+    assert out["granulated"] == -1.0
+
+
+def test_augment_shapes():
+    import torch
+
+    x = torch.rand(5, 1, 28, 28) * 2 - 1
+    gen = torch.Generator().manual_seed(0)
+    for mode in ("none", "shift", "shift+flip"):
+        y = zoo._augment(x, mode, gen)
+        assert y.shape == x.shape
+    assert torch.equal(zoo._augment(x, "none", gen), x)
+
+
+def test_cli_zoo(tmp_path):
+    from geosharp.cli import main
+
+    args = ["--zoo", "vision", "--preset", "smoke", "--out", str(tmp_path), "--n-models", "2"]
+    assert main(["zoo", "train", *args, "--no-progress"]) == 0
+    assert len(list((tmp_path / "vision" / "models").iterdir())) == 2
+
+
+def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
+    import geosharp.data
+
+    monkeypatch.setattr(geosharp.data, "FASHION_MNIST_DIRS", (tmp_path,))
+    monkeypatch.setattr(zoo, "_VISION_CACHE", {})
+    xtr, ytr, _, yte, source = zoo.vision_data(10)
+    assert source.startswith("digits")
+    assert xtr.shape[1:] == (1, 28, 28) and len(yte) == 10 and len(ytr) == len(xtr)
+    assert -1.0 <= float(xtr.min()) and float(xtr.max()) <= 1.0
