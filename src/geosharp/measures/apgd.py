@@ -16,11 +16,13 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduction restarts from the best point.
 
 The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together) and no host synchronisation outside checkpoints.
+loss and its gradient together), allocates no parameter-sized vector, and does not
+synchronise with the device outside checkpoints.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ from ..geometry.space import PerturbationSpace
 __all__ = ["APGDTrace", "auto_pgd", "checkpoints"]
 
 Objective = Callable[[Tensor], tuple[Tensor, Tensor]]
+
+_HOST_DEVICES = ("cpu",)  # devices whose tensors the host reads without waiting
 
 
 def checkpoints(n_iters: int) -> list[int]:
@@ -69,32 +73,119 @@ class APGDTrace:
         }
 
 
-class _Ball:
-    """Direction and projection for the L2 (metric) or L-infinity (box) ball; both work
-    in place so that a step allocates no parameter-sized buffer besides its result."""
+def _accepts_out(objective: Objective) -> bool:
+    try:
+        return "out" in inspect.signature(objective).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _Buffers:
+    """Parameter-sized buffers handed around instead of allocated (a fresh vector of
+    hundreds of megabytes costs its page faults on every step)."""
+
+    def __init__(self, like: Tensor):
+        self.like, self.free = like, []
+
+    def take(self) -> Tensor:
+        return self.free.pop() if self.free else torch.empty_like(self.like)
+
+    def give(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            if len(self.free) < 3 and all(t is not f for f in self.free):
+                self.free.append(t)
+
+
+class _L2Ball:
+    r"""The metric ball. One step needs two dot products with the gradient and no norm
+    of a new vector: with ``d`` the horizontal Riemannian gradient,
+
+    .. math:: \langle \xi, d \rangle_g = \langle \xi, \nabla L \rangle, \qquad
+              \|d\|_g^2 = \langle d, \nabla L \rangle
+
+    (``xi`` horizontal), and the norms of ``z = xi + c d`` and of the momentum point
+    ``alpha xi + beta d + gamma xi_prev`` follow from the Gram matrix of ``xi, d,
+    xi_prev``, whose other entries are carried from step to step as 0-d tensors. The new
+    point is written with three in-place vector operations and no host synchronisation.
+    """
 
     def __init__(self, space: PerturbationSpace, rho: float):
         self.space, self.rho = space, rho
-        self.box = space.geometry.p == float("inf")
-        if self.box:
-            self.upper = rho * space.scale
-            self.lower = -self.upper
 
-    def direction_(self, egrad: Tensor) -> Tensor:
-        """Overwrite ``egrad`` with the ascent direction."""
-        space = self.space
-        if self.box:
-            return egrad.sign_().mul_(space.scale)
-        d = space.proju_(space.egrad2rgrad_(egrad))
-        return d.div_(space.norm(d).clamp_min(1e-30).to(d.dtype))
+    def start(self, xi: Tensor | None) -> None:
+        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.theta.device)
+        if xi is not None:
+            self.xx = self.space.inner(xi, xi)
+        self.pp, self.xp = self.xx, self.xx  # xi_prev = xi
 
     def project_(self, xi: Tensor) -> Tensor:
-        """Project ``xi`` onto the ball (and the horizontal space), in place."""
         space = self.space
-        if self.box:
-            return torch.minimum(torch.maximum(xi, self.lower, out=xi), self.upper, out=xi)
         shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
         return space.proju_(xi.mul_(shrink.to(xi.dtype)))
+
+    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
+        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
+        space, rho = self.space, self.rho
+        same = xi_prev is xi
+        xd = space.dot(xi, grad)
+        pd = xd if same else space.dot(xi_prev, grad)
+        dd, pair_dirs = space.split_direction_(grad)
+        c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
+        zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
+        s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
+        if a == 1.0:  # no momentum: the projected z
+            alpha, beta, gamma = s1, s1 * c, None
+            s2 = torch.ones_like(s1)
+            nn = s1 * s1 * zz
+        else:  # a P(z) + (1 - a)(2 xi - xi_prev), projected again
+            alpha, beta, gamma = a * s1 + 2 * (1 - a), a * s1 * c, -(1 - a)
+            nn = (
+                alpha * alpha * self.xx
+                + beta * beta * dd
+                + gamma * gamma * self.pp
+                + 2 * alpha * beta * xd
+                + 2 * alpha * gamma * self.xp
+                + 2 * beta * gamma * pd
+            ).clamp_min(0)
+            s2 = (rho / nn.sqrt().clamp_min(1e-30)).clamp(max=1.0)
+            nn = s2 * s2 * nn
+        new_x = s2 * (alpha * self.xx + beta * xd + (gamma * self.xp if gamma else 0.0))
+        kx, kd = (s2 * alpha).to(grad.dtype), (s2 * beta).to(grad.dtype)
+        kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
+        if gamma is not None and same:  # xi_prev is xi: fold it in
+            kx = (s2 * (alpha + gamma)).to(grad.dtype)
+        space.combine_(grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp)
+        self.xx, self.pp, self.xp = nn, self.xx, new_x
+        return grad
+
+    def restart(self, norm_sq: Tensor) -> None:
+        self.xx = self.pp = self.xp = norm_sq
+
+
+class _Box:
+    """The L-infinity box ``|xi_j| <= rho c_j`` (Andriushchenko et al. 2023)."""
+
+    def __init__(self, space: PerturbationSpace, rho: float):
+        self.space, self.rho = space, rho
+        self.upper = rho * space.scale
+        self.lower = -self.upper
+
+    def start(self, xi: Tensor | None) -> None:
+        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.theta.device)
+
+    def project_(self, xi: Tensor) -> Tensor:
+        return torch.clamp(xi, self.lower, self.upper, out=xi)
+
+    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
+        z = grad.sign_().mul_(self.space.scale).mul_(eta).add_(xi)
+        self.project_(z)
+        if a != 1.0:
+            z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
+            self.project_(z)
+        return z
+
+    def restart(self, norm_sq: Tensor) -> None:
+        pass
 
 
 def auto_pgd(
@@ -108,13 +199,34 @@ def auto_pgd(
     """Maximise ``objective`` over the ``rho``-ball of ``space``.
 
     ``objective(xi)`` returns ``(value, euclidean_gradient)``; it may keep no reference
-    to the gradient, which is overwritten. Returns the best value (a 0-d tensor), the
-    best ``xi`` and the :class:`APGDTrace`.
+    to the gradient, which is overwritten, nor to ``xi``. An objective with a keyword
+    ``out`` is handed a parameter-sized buffer to write the gradient into (and return),
+    so that the loop allocates nothing. Returns the best value (a 0-d tensor), the best
+    ``xi`` and the :class:`APGDTrace`.
+
+    On a GPU the loop never waits for the device outside the checkpoints (the best point
+    is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
+    the comparison and copies only on improvement.
     """
-    ball = _Ball(space, rho)
-    xi = torch.zeros_like(space.theta) if xi0 is None else ball.project_(xi0.clone())
-    value, grad = objective(xi)
+    ball = _Box(space, rho) if space.geometry.p == float("inf") else _L2Ball(space, rho)
+    buffers = _Buffers(space.theta)
+    with_out = _accepts_out(objective)
+
+    def call(xi: Tensor) -> tuple[Tensor, Tensor]:
+        if not with_out:
+            return objective(xi)
+        out = buffers.take()
+        value, grad = objective(xi, out=out)
+        if grad is not out:
+            buffers.give(out)
+        return value, grad
+
+    xi = buffers.take().zero_() if xi0 is None else ball.project_(xi0.clone())
+    ball.start(None if xi0 is None else xi)
+    value, grad = call(xi)
     best_value, best_xi, best_grad = value, xi.clone(), grad.clone()
+    best_sq = ball.xx
+    on_host = xi.device.type in _HOST_DEVICES
     xi_prev = xi
     eta = 2.0 * rho
     marks = set(checkpoints(n_iters))
@@ -123,21 +235,25 @@ def auto_pgd(
     values, bests, etas, restarts = [value], [best_value], [eta], []
 
     for i in range(n_iters):
-        # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev))
-        z = ball.project_(torch.add(xi, ball.direction_(grad), alpha=eta))
-        del grad
+        # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
-        if a != 1.0:
-            z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
-            ball.project_(z)
-        xi_prev, xi = xi, z
-        new_value, grad = objective(xi)
+        new_xi = ball.step_(xi, xi_prev, grad, eta, a)
+        if xi_prev is not xi:
+            buffers.give(xi_prev)
+        xi_prev, xi = xi, new_xi
+        new_value, grad = call(xi)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
         best_value = torch.where(improved, value, best_value)
-        torch.where(improved, xi, best_xi, out=best_xi)
-        torch.where(improved, grad, best_grad, out=best_grad)
+        best_sq = torch.where(improved, ball.xx, best_sq)
+        if on_host:
+            if bool(improved):
+                best_xi.copy_(xi)
+                best_grad.copy_(grad)
+        else:
+            torch.where(improved, xi, best_xi, out=best_xi)
+            torch.where(improved, grad, best_grad, out=best_grad)
         values.append(value)
         bests.append(best_value)
 
@@ -148,9 +264,12 @@ def auto_pgd(
             reduced_last = too_few or stalled
             if reduced_last:
                 eta /= 2.0
-                xi = xi_prev = best_xi.clone()
-                grad = best_grad.clone()
+                buffers.give(xi, xi_prev, grad)
+                xi = buffers.take().copy_(best_xi)
+                xi_prev = xi
+                grad = buffers.take().copy_(best_grad)
                 value = best_value
+                ball.restart(best_sq)
                 restarts.append(step)
             best_at_mark, last_mark = best_value, step
             increases = torch.zeros((), device=xi.device)

@@ -15,6 +15,8 @@ computed batch by batch and averaged, as in the paper.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import warnings
@@ -86,6 +88,8 @@ def sharpness(
     parameters: Sequence[str] | None = None,
     max_batches: int | None = None,
     progress: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+    distributed: bool = False,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
 
@@ -117,16 +121,33 @@ def sharpness(
             grad). Pairs with a parameter outside this set are not used.
         max_batches: use at most this many batches.
         progress: show a progress bar over batches.
+        autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to run the model's
+            forward and backward under :func:`torch.autocast` (unperturbed loss
+            included); the perturbation, its geometry and the gradient stay in the
+            parameters' dtype. Without loss scaling: prefer bfloat16.
+        distributed: measure across the processes of the default ``torch.distributed``
+            group (launched with ``torchrun``): every process iterates over the same
+            ``batches``, measures batches ``rank, rank + world_size, ...`` and receives
+            the full result, identical to a single-process run (see
+            :mod:`geosharp.distributed`).
+
+    Batch ``i`` draws its random start or directions from its own generator (seeded
+    with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
+    batch's value does not depend on which process measures it.
     """
     _check_arguments(rho, kind, n_iters, n_samples)
+    if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
+        )
     geo = Geometry.named(geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step)
+    rank, world = _process_group(distributed)
     named = _perturbed_parameters(model, parameters)
     if symmetries is None:
         symmetries = find_symmetries(model)
     pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
     layout = ParameterLayout.from_named(named)
     theta = layout.flatten({n: t.detach() for n, t in named})
-    generator = torch.Generator(device=theta.device).manual_seed(seed)
     settings = dict(
         metric=metric if geo.metric is not None else None,
         n_iters=n_iters,
@@ -137,40 +158,60 @@ def sharpness(
         p=p,
         elementwise_step=elementwise_step,
         n_pairs=len(pairs),
+        autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
     )
+    autocast = _autocast(theta.device, autocast_dtype)
 
+    records = []  # (batch index, value, unperturbed loss, trace)
     with evaluation_mode(model):
         space = PerturbationSpace(theta, layout, pairs, geo)
         evaluate = functional_loss(model, loss_fn)
-        values, losses, traces = [], [], []
-        for batch in _limited(batches, max_batches, progress, geo.name):
-            loss0 = _checked_loss(evaluate(layout.unflatten(theta), batch), "unperturbed")
+        fast = not geo.exp_elementwise
+        for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name):
+            if index % world != rank:
+                continue
+            generator = torch.Generator(device=theta.device).manual_seed(_batch_seed(seed, index))
+            with autocast():
+                loss0 = evaluate(layout.unflatten(theta), batch)
+            loss0 = _checked_loss(loss0, "unperturbed")
 
+            trace = None
             if kind == "worst":
                 xi0 = None
                 if random_start:
                     xi0 = _scale_to(space, space.random(generator), rho)
-                best, _, trace = auto_pgd(
-                    _objective(space, evaluate, layout, batch), space, rho, n_iters, xi0
+                objective = (
+                    _Objective(space, evaluate, layout, batch, autocast)
+                    if fast
+                    else _objective(space, evaluate, layout, batch, autocast)
                 )
+                best, _, trace = auto_pgd(objective, space, rho, n_iters, xi0)
+                del objective
                 if not all(math.isfinite(v) for v in trace.losses):
                     warnings.warn(
                         f"non-finite perturbed loss during Auto-PGD ({geo.name}, rho={rho:g}): "
                         "rho is probably too large",
                         stacklevel=2,
                     )
-                traces.append(trace)
                 value = float(best) - loss0
             else:
                 total = 0.0
-                with torch.no_grad():
+                point = torch.empty_like(theta)
+                with torch.no_grad(), autocast():
                     for _ in range(n_samples):
                         xi = _scale_to(space, space.random(generator), rho)
-                        total += float(evaluate(layout.unflatten(space.retr(xi)), batch))
+                        total += float(evaluate(layout.unflatten(space.retr_(xi, point)), batch))
+                del point
                 value = total / n_samples - loss0
-            values.append(value)
-            losses.append(loss0)
+            records.append((index, value, loss0, trace))
 
+    if distributed:
+        from ..distributed import gather_in_order
+
+        records = gather_in_order(records)
+    values = [r[1] for r in records]
+    losses = [r[2] for r in records]
+    traces = [r[3] for r in records if r[3] is not None]
     if not values:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
     return SharpnessResult(
@@ -238,7 +279,7 @@ def _limited(batches: Iterable, limit: int | None, progress: bool, label: str):
     for i, batch in enumerate(iterator):
         if limit is not None and i >= limit:
             break
-        yield batch
+        yield i, batch
 
 
 def _checked_loss(loss: object, where: str) -> float:
@@ -255,17 +296,91 @@ def _checked_loss(loss: object, where: str) -> float:
     return value
 
 
-def _objective(space: PerturbationSpace, evaluate, layout: ParameterLayout, batch):
+class _Objective:
+    """Loss and gradient at ``retr(xi)`` for Auto-PGD, without parameter-sized
+    temporaries: the perturbed point is written into one buffer whose views are swapped
+    into the model as leaves, and their ``.grad`` are views of the caller's (zeroed)
+    buffer, into which backward accumulates in place. The step is the straight line
+    but for the pairs' geodesic correction, whose vector-Jacobian product
+    :meth:`PerturbationSpace.pullback_` applies after backward."""
+
+    def __init__(
+        self, space: PerturbationSpace, evaluate, layout: ParameterLayout, batch, autocast
+    ):
+        self.space, self.evaluate, self.layout = space, evaluate, layout
+        self.batch, self.autocast = batch, autocast
+        self.point = torch.empty_like(space.theta)
+
+    def __call__(self, xi: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        grad = torch.zeros_like(xi) if out is None else out.zero_()
+        self.space.retr_(xi, self.point)
+        leaves = {}
+        for (name, view), grad_view in zip(
+            self.layout.unflatten(self.point).items(), self.layout.unflatten(grad).values()
+        ):
+            leaf = view.detach().requires_grad_(True)
+            leaf.grad = grad_view  # backward accumulates into `grad` in place
+            leaves[name] = leaf
+        with self.autocast():
+            loss = self.evaluate(leaves, self.batch)
+        loss = _scalar(loss)
+        loss.backward(inputs=list(leaves.values()))
+        del leaves
+        return _value(loss), self.space.pullback_(xi, grad)
+
+
+def _objective(space: PerturbationSpace, evaluate, layout: ParameterLayout, batch, autocast):
+    """The general objective: autograd through :meth:`PerturbationSpace.retr` (used for
+    the exponential element-wise step)."""
+
     def objective(xi: Tensor) -> tuple[Tensor, Tensor]:
         xi = xi.detach().requires_grad_(True)
-        loss = evaluate(layout.unflatten(space.retr(xi)), batch)
-        if loss.numel() != 1:
-            raise ValueError("loss_fn must return a scalar")
-        (grad,) = torch.autograd.grad(loss.reshape(()), xi)
-        return loss.detach().reshape(()), grad
+        with autocast():
+            loss = evaluate(layout.unflatten(space.retr(xi)), batch)
+        loss = _scalar(loss)
+        (grad,) = torch.autograd.grad(loss, xi)
+        return _value(loss), grad
 
     return objective
 
 
+def _scalar(loss: object) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError("loss_fn must return a scalar")
+    return loss.reshape(())
+
+
+def _value(loss: Tensor) -> Tensor:
+    value = loss.detach()
+    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+
+
+def _process_group(distributed: bool) -> tuple[int, int]:
+    if not distributed:
+        return 0, 1
+    from ..distributed import rank_and_world
+
+    return rank_and_world(require=True)
+
+
+def _batch_seed(seed: int, index: int) -> int:
+    """``seed`` for the first batch, a splitmix64 mix of ``(seed, index)`` after."""
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + index) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) >> 1
+
+
 def _scale_to(space: PerturbationSpace, xi: Tensor, rho: float) -> Tensor:
-    return xi * (rho / space.norm(xi).clamp_min(1e-30)).to(xi.dtype)
+    return xi.mul_((rho / space.norm(xi).clamp_min(1e-30)).to(xi.dtype))

@@ -1,0 +1,162 @@
+"""Scale-out with torch.distributed: results identical to a single process.
+
+One worker script is run as a plain single process and under ``torchrun`` with 2 and 3
+CPU processes (gloo, one thread each, 127.0.0.1 only). It measures 5 batches of one
+model (worst case, deterministic and random start; average case) with
+``distributed=True`` and a population of 4 models with ``map_population``; rank 0 writes
+everything to JSON. The files must be byte-identical across the three runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import geosharp
+from zoo import encoder_case
+
+TESTS = Path(__file__).resolve().parent
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    sys.path.insert(0, sys.argv[2])
+    torch.set_num_threads(1)
+    import geosharp
+    from geosharp import distributed as gd
+    from zoo import encoder_case
+
+    rank, world = gd.init()
+    case = encoder_case(dtype=torch.float64)
+    batches = [case.batches[i % len(case.batches)] for i in range(5)]
+    settings = {
+        "worst": dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=4),
+        "worst-random": dict(geometry="adaptive", rho=0.05, n_iters=3, random_start=True,
+                             seed=3),
+        "average": dict(geometry="geodesic", metric="mix", rho=0.01, kind="average",
+                        n_samples=2, seed=5),
+    }
+    results = {
+        name: geosharp.sharpness(case.model, batches, case.loss_fn,
+                                 distributed=gd.is_distributed(), **kw).to_dict()
+        for name, kw in settings.items()
+    }
+
+    def measure(seed):
+        model = encoder_case(dtype=torch.float64, seed=seed)
+        r = geosharp.sharpness(model.model, model.batches[:1], model.loss_fn,
+                               geometry="geodesic", metric="mix", rho=0.01, n_iters=3)
+        return {"seed": seed, "rank": None, **r.to_dict()}
+
+    population = gd.map_population([0, 1, 2, 3], measure, out=sys.argv[1] + "/population.json")
+    assert len(population) == 4
+    if rank == 0:
+        gd.write_json_atomic(sys.argv[1] + "/batches.json", results)
+        with open(sys.argv[1] + "/world.txt", "w") as f:
+            f.write(str(world))
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(tmp_path: Path, nproc: int) -> Path:
+    out = tmp_path / f"world{nproc}"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    if nproc == 1:
+        cmd = [sys.executable, str(script), str(out), str(TESTS)]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(script),
+            str(out),
+            str(TESTS),
+        ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "world.txt").read_text() == str(nproc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distributed")
+    return {n: run_worker(tmp, n) for n in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("name", ["batches.json", "population.json"])
+def test_results_identical_to_a_single_process(runs, nproc, name):
+    single = (runs[1] / name).read_bytes()
+    assert single.strip()
+    assert (runs[nproc] / name).read_bytes() == single
+
+
+def test_single_process_file_matches_plain_sharpness(runs):
+    """The single-process run of the worker is plain geosharp: same numbers as here."""
+    import json
+
+    case = encoder_case(dtype=torch.float64)
+    batches = [case.batches[i % len(case.batches)] for i in range(5)]
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)
+        r = geosharp.sharpness(
+            case.model,
+            batches,
+            case.loss_fn,
+            geometry="geodesic",
+            metric="inv",
+            rho=0.05,
+            n_iters=4,
+        )
+    stored = json.loads((runs[1] / "batches.json").read_text())["worst"]
+    assert stored["per_batch"] == pytest.approx(r.per_batch, rel=1e-12)
+
+
+def test_distributed_needs_a_process_group():
+    case = encoder_case(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="process group"):
+        geosharp.sharpness(case.model, case.batches, case.loss_fn, distributed=True)
+
+
+def test_helpers_without_a_group(tmp_path):
+    from geosharp import distributed as gd
+
+    assert gd.rank_and_world() == (0, 1)
+    assert not gd.is_distributed()
+    assert list(gd.shard(5)) == [0, 1, 2, 3, 4]
+    assert gd.gather_in_order([(2, "b"), (0, "a")]) == [(0, "a"), (2, "b")]
+    out = gd.map_population(["x", "yy"], len, out=tmp_path / "sub" / "pop.json")
+    assert out == [1, 2]
+    assert (tmp_path / "sub" / "pop.json").read_text() == "[\n  1,\n  2\n]\n"
+    assert not list((tmp_path / "sub").glob(".*tmp"))

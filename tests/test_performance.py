@@ -1,0 +1,355 @@
+"""The fast paths behind Auto-PGD's inner loop (no timing here: see benchmarks/).
+
+* strided block access equals indexing, on every layout of the zoo and on random ones;
+* the fused pair kernels equal the reference maths of ``geometry.pairs``;
+* the in-place space methods equal their allocating counterparts;
+* one forward+backward per step (``n_iters + 2`` calls of ``loss_fn`` per batch), no
+  parameter-sized allocation per step, no host synchronisation between checkpoints on
+  the device path;
+* autocast: forward/backward in bfloat16, geometry in float32, model untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import geosharp
+from geosharp.geometry import Geometry, PerturbationSpace, stack_pairs
+from geosharp.geometry import space as space_module
+from geosharp.geometry.pairs import InvMetric, MixMetric
+from geosharp.measures import apgd, auto_pgd
+from geosharp.params import ParameterLayout, functional_loss
+from zoo import CASES, bert_case, encoder_case
+
+F64 = torch.float64
+
+
+def flat_setup(model):
+    named = list(model.named_parameters())
+    layout = ParameterLayout.from_named(named)
+    theta = layout.flatten({n: p.detach() for n, p in named})
+    return layout, theta
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# -- strided block access ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_strided_access_equals_indexing(name):
+    case = CASES[name]()
+    layout, theta = flat_setup(case.model)
+    pairs = geosharp.find_symmetries(case.model).pairs
+    blocks = stack_pairs(pairs, layout, theta.device)
+    assert blocks
+    x = torch.randn_like(theta)
+    for block in blocks:
+        assert all(s is not None for s in block._segments)  # linear layers: strided
+        G, H = block.gather(x)
+        assert torch.equal(G, x[block.g_index]) and torch.equal(H, x[block.h_index])
+        new = (torch.randn_like(G), torch.randn_like(H))
+        ref = x.index_copy(0, block.g_index.reshape(-1), new[0].reshape(-1))
+        ref = ref.index_copy(0, block.h_index.reshape(-1), new[1].reshape(-1))
+        assert torch.equal(block.scatter_(x.clone(), new), ref)
+        ref = x.clone().index_add_(0, block.g_index.reshape(-1), new[0].reshape(-1), alpha=0.5)
+        ref = ref.index_add_(0, block.h_index.reshape(-1), new[1].reshape(-1), alpha=0.5)
+        assert torch.allclose(block.add_(x.clone(), new, alpha=0.5), ref, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_strided_segments_random_layouts(seed):
+    """Random (partly affine) index blocks: whenever segments are found they describe the
+    index exactly; fully random indices fall back to indexing."""
+    gen = torch.Generator().manual_seed(seed)
+    B, n, h = (int(v) for v in torch.randint(1, 6, (3,), generator=gen))
+    flat = torch.randn(20000, generator=gen)
+    b, r, c = torch.meshgrid(torch.arange(B), torch.arange(n), torch.arange(h), indexing="ij")
+    sb, sr, sc = (int(v) for v in torch.randint(0, 40, (3,), generator=gen))
+    index = 100 + b * (sb + n * h) + r * sr + c * (sc + 1)
+    if seed % 2:
+        index[:, -1, :] = 15000 + b[:, -1, :] * h + c[:, -1, :]  # a bias row
+    if seed % 5 == 0:
+        index = torch.randint(0, 20000, (B, n, h), generator=gen)
+    segments = space_module.strided_segments(index)
+    if segments is None:  # random indices, or rows repeating positions (sr = 0)
+        assert seed % 5 == 0 or (sr == 0 and n > 1)
+        return
+    out = space_module._gather_strided(flat, segments, index.shape)
+    assert torch.equal(out, flat[index])
+
+
+def test_gather_under_autograd_uses_indexing():
+    """Strided views would make autograd's backward allocate a full vector per segment:
+    a vector that requires grad is gathered by indexing (and stays differentiable)."""
+    case = encoder_case(dtype=F64)
+    layout, theta = flat_setup(case.model)
+    (block, *_) = stack_pairs(geosharp.find_symmetries(case.model).pairs, layout, theta.device)
+    x = theta.clone().requires_grad_(True)
+    G, H = block.gather(x)
+    (G.sum() + 2 * H.sum()).backward()
+    expected = torch.zeros_like(theta)
+    expected[block.g_index.reshape(-1)] += 1
+    expected[block.h_index.reshape(-1)] += 2
+    assert torch.equal(x.grad, expected)
+
+
+# -- fused pair kernels against pairs.py ---------------------------------------------------
+
+
+def pair_states(dtype_seed: int):
+    gen = torch.Generator().manual_seed(dtype_seed)
+    G = torch.randn(5, 11, 4, generator=gen, dtype=F64)
+    H = torch.randn(5, 9, 4, generator=gen, dtype=F64)
+    A = torch.randn(5, 4, 4, generator=gen, dtype=F64) + 3 * torch.eye(4, dtype=F64)
+    G, H = G @ A, H @ torch.linalg.inv(A).mT  # some conditioning
+    return {
+        "inv": InvMetric().state(G, H),
+        "inv-eps": InvMetric(eps=0.1).state(G, H),
+        "mix": MixMetric().state(G, H),
+    }, gen
+
+
+@pytest.mark.parametrize("metric", ["inv", "inv-eps", "mix"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pair_kernels_match_reference(metric, seed):
+    states, gen = pair_states(seed)
+    state = states[metric]
+    x = (
+        torch.randn(state.G.shape, generator=gen, dtype=F64),
+        torch.randn(state.H.shape, generator=gen, dtype=F64),
+    )
+    u = (
+        torch.randn(state.G.shape, generator=gen, dtype=F64),
+        torch.randn(state.H.shape, generator=gen, dtype=F64),
+    )
+
+    accel, saved = space_module._acceleration(state, x)
+    for a, b in zip(accel, state.geodesic_acceleration(x)):
+        assert rel(a, b) < 1e-13
+
+    xs = tuple(t.clone().requires_grad_(True) for t in x)
+    vjp = torch.autograd.grad(state.geodesic_acceleration(xs), xs, u)
+    for a, b, c in zip(space_module._pullback(state, x, u, saved), u, vjp):
+        assert rel(a, b + 0.5 * c) < 1e-13
+
+    for a, b in zip(space_module._project(state, x), state.project_horizontal(x)):
+        assert rel(a, b) < 1e-12
+    for a, b in zip(
+        space_module._direction(state, u), state.project_horizontal(state.egrad2rgrad(u))
+    ):
+        assert rel(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_pair_kernels_float32(metric):
+    """In float32 the large products run in float32 and the h x h solve in float64: the
+    direction stays within round-off of the float64 reference."""
+    states, gen = pair_states(3)
+    state = states[metric]
+    g = (
+        torch.randn(state.G.shape, generator=gen, dtype=F64),
+        torch.randn(state.H.shape, generator=gen, dtype=F64),
+    )
+    exact = state.project_horizontal(state.egrad2rgrad(g))
+    fast = space_module._direction(state, tuple(t.float() for t in g))
+    assert all(t.dtype == torch.float32 for t in fast)
+    for a, b in zip(fast, exact):
+        assert rel(a.double(), b) < 1e-5
+
+
+# -- in-place space methods ------------------------------------------------------------------
+
+GEOMETRIES = [
+    ("euclidean", "inv", 0.0),
+    ("adaptive", "inv", 0.0),
+    ("geodesic", "inv", 0.0),
+    ("geodesic", "inv", 0.05),
+    ("geodesic", "mix", 0.0),
+    ("geodesic-norm-only", "mix", 0.0),
+    ("geodesic-curvature-only", "inv", 0.0),
+]
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    case = encoder_case(dtype=F64)
+    layout, theta = flat_setup(case.model)
+    return case, layout, theta, geosharp.find_symmetries(case.model).pairs
+
+
+@pytest.mark.parametrize("name,metric,eps", GEOMETRIES)
+def test_inplace_methods_match(encoder, name, metric, eps):
+    _, layout, theta, pairs = encoder
+    space = PerturbationSpace(theta, layout, pairs, Geometry.named(name, metric=metric, eps=eps))
+    gen = torch.Generator().manual_seed(0)
+    xi = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
+    xp = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
+    egrad = torch.randn(theta.shape, generator=gen, dtype=F64)
+
+    # retr_ == retr
+    out = torch.empty_like(theta)
+    assert torch.allclose(space.retr_(xi, out), space.retr(xi), rtol=1e-14, atol=1e-15)
+
+    # pullback_ == autograd through retr
+    x = xi.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(space.retr(x), x, egrad)
+    space.retr_(xi, out)
+    assert rel(space.pullback_(xi, egrad.clone()), expected) < 1e-13
+
+    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g))
+    d = space.proju(space.egrad2rgrad(egrad))
+    work = egrad.clone()
+    sq, pair_dirs = space.split_direction_(work)
+    assert math.isclose(float(sq), float(space.inner(d, d)), rel_tol=1e-10)
+    kd, kx, kp = (torch.tensor(v, dtype=F64) for v in (0.3, 0.9, -0.2))
+    space.combine_(work, pair_dirs, kd, xi, kx, xp, kp)
+    assert rel(work, 0.3 * d + 0.9 * xi - 0.2 * xp) < 1e-12
+    # <xi, d>_g equals the Euclidean <xi, egrad> (xi horizontal): the loop relies on it
+    assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, egrad)), rel_tol=1e-9)
+
+
+def test_space_keeps_one_parameter_sized_vector(encoder):
+    """Besides theta: the float scale and, only when some entries are frozen, a boolean
+    mask (a quarter of a float32 vector, an eighth of float64)."""
+    _, layout, theta, pairs = encoder
+    space = PerturbationSpace(theta, layout, pairs, Geometry.named("geodesic", metric="inv"))
+    big = [
+        v
+        for v in vars(space).values()
+        if isinstance(v, torch.Tensor) and v.numel() == theta.numel()
+    ]
+    assert sum(t.element_size() for t in big) == 2 * theta.element_size() + 1
+    unfrozen = PerturbationSpace(theta.abs() + 1, layout, pairs, Geometry.named("adaptive"))
+    assert unfrozen.active is None
+
+
+# -- the loop: calls, allocations, synchronisation -------------------------------------------
+
+
+def test_one_forward_backward_per_step():
+    """Per batch: the unperturbed loss, the start point, one call per step."""
+    case = bert_case(dtype=torch.float32)
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(torch.is_grad_enabled())
+        return case.loss_fn(model, batch)
+
+    for kw in (
+        dict(geometry="adaptive"),
+        dict(geometry="geodesic", metric="mix"),
+        dict(geometry="adaptive", p=float("inf")),
+    ):
+        calls.clear()
+        geosharp.sharpness(case.model, case.batches, loss_fn, rho=0.01, n_iters=7, **kw)
+        assert len(calls) == len(case.batches) * (7 + 2)
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Counts new (non-aliasing) outputs of parameter size."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if returns and returns[0].alias_info is None:
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() == self.numel:
+                    self.count += 1
+        return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(geometry="adaptive"),
+        dict(geometry="geodesic", metric="inv"),
+        dict(geometry="adaptive", p=float("inf")),
+    ],
+)
+def test_no_parameter_sized_allocation_per_step(kw):
+    case = encoder_case(dtype=torch.float32)
+    _, theta = flat_setup(case.model)
+    counts = []
+    for n_iters in (3, 9):
+        with _LargeAllocations(theta.numel()) as mode:
+            geosharp.sharpness(
+                case.model, case.batches[:1], case.loss_fn, rho=0.01, n_iters=n_iters, **kw
+            )
+        counts.append(mode.count)
+    assert counts[0] == counts[1], counts
+
+
+def test_no_host_synchronisation_between_checkpoints(monkeypatch):
+    """The device path (``torch.where`` for the best point) reads nothing from the device
+    but at checkpoints (two reads each) and once at the end (the trace)."""
+    monkeypatch.setattr(apgd, "_HOST_DEVICES", ())
+    case = encoder_case(dtype=torch.float32)
+    layout, theta = flat_setup(case.model)
+    sym = geosharp.find_symmetries(case.model)
+    space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named("geodesic", "inv"))
+    sharpness_module = sys.modules["geosharp.measures.sharpness"]
+    objective = sharpness_module._Objective(
+        space,
+        functional_loss(case.model, case.loss_fn),
+        layout,
+        case.batches[0],
+        lambda: torch.autocast("cpu", enabled=False),
+    )
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            reads.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    n_iters = 12
+    auto_pgd(objective, space, 0.01, n_iters)
+    monkeypatch.undo()
+    marks = len(apgd.checkpoints(n_iters))
+    assert reads.count("tolist") == 2  # the trace, once
+    assert len(reads) <= 2 * marks + 2, reads
+
+
+# -- autocast ----------------------------------------------------------------------------------
+
+
+def test_autocast_bfloat16_close_to_float32():
+    case = bert_case(dtype=torch.float32)
+    model = case.model.eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kw = dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=6)
+    ref = geosharp.sharpness(model, case.batches, case.loss_fn, **kw)
+    bf = geosharp.sharpness(model, case.batches, case.loss_fn, autocast_dtype=torch.bfloat16, **kw)
+    assert bf.settings["autocast"] == "bfloat16" and ref.settings["autocast"] is None
+    assert bf.value > 0 and math.isfinite(bf.value)
+    assert bf.loss == pytest.approx(ref.loss, rel=2e-2)
+    assert bf.value == pytest.approx(ref.value, rel=0.25)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), before[n])
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        geosharp.sharpness(model, case.batches, case.loss_fn, autocast_dtype=torch.float64)
+
+
+def test_per_batch_generators_make_values_independent_of_order():
+    """Batch i's random start comes from its own generator: measuring a batch alone (at
+    the same index) gives the value it gets among the others."""
+    case = encoder_case(dtype=F64)
+    kw = dict(rho=0.05, n_iters=3, random_start=True, seed=7)
+    full = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kw)
+    first = geosharp.sharpness(case.model, case.batches[:1], case.loss_fn, **kw)
+    assert full.per_batch[0] == first.per_batch[0]
+    assert full.per_batch[0] != full.per_batch[1]
