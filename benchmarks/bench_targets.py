@@ -174,12 +174,13 @@ def time_steps(args, device, autocast_dtype) -> dict:
 
 
 def time_overhead(args, device, autocast_dtype) -> dict:
-    """Seconds per step spent outside the model's forward+backward, measured inside one
-    ``sharpness`` call: the Auto-PGD loop's time minus, for every objective call, the
-    time between the perturbed point being written and the gradient being pulled back
-    (``_Objective.__call__`` minus ``retr_`` and ``pullback_``). Load from other
-    processes slows both alike, so this is steadier than differences of whole runs; it
-    does not depend on the batch size."""
+    """Seconds per step spent outside the model's forward+backward. For one ``sharpness``
+    call, the work outside is the Auto-PGD loop's time minus, for every objective call,
+    the time between the perturbed point being written and the gradient being pulled
+    back (``_Objective.__call__`` minus ``retr_`` and ``pullback_``); the per-step value
+    is the difference between ``n_long`` and ``n_short`` steps (one-time costs, such as
+    first touches of the buffers, cancel). The model's own time is subtracted call by
+    call, so its noise does not enter; the result does not depend on the batch size."""
     from geosharp.geometry import space
 
     sharp = sys.modules["geosharp.measures.sharpness"]
@@ -219,20 +220,24 @@ def time_overhead(args, device, autocast_dtype) -> dict:
         for kw in MEASURES:
             samples = []
             for _ in range(args.repeats):
-                for key in spent:
-                    spent[key] = 0
-                geosharp.sharpness(
-                    model,
-                    [batch],
-                    loss_fn,
-                    rho=RHO[kw],
-                    n_iters=args.n_long,
-                    symmetries=symmetries,
-                    autocast_dtype=autocast_dtype,
-                    **MEASURES[kw],
-                )
-                fwd_bwd = spent["objective"] - spent["retr_"] - spent["pullback_"]
-                samples.append((spent["auto_pgd"] - fwd_bwd) / args.n_long)
+                outside = {}
+                for n in (args.n_long, args.n_short):
+                    for key in spent:
+                        spent[key] = 0
+                    geosharp.sharpness(
+                        model,
+                        [batch],
+                        loss_fn,
+                        rho=RHO[kw],
+                        n_iters=n,
+                        symmetries=symmetries,
+                        autocast_dtype=autocast_dtype,
+                        **MEASURES[kw],
+                    )
+                    fwd_bwd = spent["objective"] - spent["retr_"] - spent["pullback_"]
+                    outside[n] = spent["auto_pgd"] - fwd_bwd
+                gap = args.n_long - args.n_short
+                samples.append((outside[args.n_long] - outside[args.n_short]) / gap)
             out[kw] = statistics.median(samples)
     finally:
         for owner, name, original in originals:

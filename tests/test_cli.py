@@ -19,9 +19,16 @@ def bert_dir(tmp_path_factory):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
     tokenizer = BertTokenizerFast(vocab_file=str(vocab))
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
-                        num_attention_heads=2, intermediate_size=32, num_labels=2,
-                        initializer_range=0.2, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=len(WORDS) + 5,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        initializer_range=0.2,
+        max_position_embeddings=32,
+    )
     BertForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -33,9 +40,16 @@ def vit_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("vit")
     torch.manual_seed(0)
-    config = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
-                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                       num_labels=10)
+    config = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=10,
+    )
     ViTForImageClassification(config).save_pretrained(path)
     return path
 
@@ -52,10 +66,26 @@ def test_measure_text_csv_json(bert_dir, tmp_path, capsys):
     rows = ["text,label"] + [f"the film was {w},{i % 2}" for i, w in enumerate(WORDS * 2)]
     data.write_text("\n".join(rows))
     out_json = tmp_path / "out.json"
-    code = main(["measure", str(bert_dir), "--data", str(data), "--n-points", "16",
-                 "--batch-size", "8", "--n-iters", "3", "--json", str(out_json),
-                 "--measures", "adaptive,adaptive-linf,geodesic-mix",
-                 "--rho", "adaptive=0.02,geodesic-mix=0.001"])
+    code = main(
+        [
+            "measure",
+            str(bert_dir),
+            "--data",
+            str(data),
+            "--n-points",
+            "16",
+            "--batch-size",
+            "8",
+            "--n-iters",
+            "3",
+            "--json",
+            str(out_json),
+            "--measures",
+            "adaptive,adaptive-linf,geodesic-mix",
+            "--rho",
+            "adaptive=0.02,geodesic-mix=0.001",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "adaptive-linf" in table and "geodesic-mix" in table
@@ -67,12 +97,27 @@ def test_measure_text_csv_json(bert_dir, tmp_path, capsys):
 
 
 def test_measure_vision_builtin_digits(vit_dir, capsys):
-    code = main(["measure", str(vit_dir), "--data", "digits", "--n-points", "32",
-                 "--batch-size", "16", "--n-iters", "2", "--measures", "geodesic-inv",
-                 "--json", "-"])
+    code = main(
+        [
+            "measure",
+            str(vit_dir),
+            "--data",
+            "digits",
+            "--n-points",
+            "32",
+            "--batch-size",
+            "16",
+            "--n-iters",
+            "2",
+            "--measures",
+            "geodesic-inv",
+            "--json",
+            "-",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
-    payload = json.loads(out[out.index("{"):])
+    payload = json.loads(out[out.index("{") :])
     assert payload["results"][0]["geometry"] == "geodesic[inv]"
 
 
@@ -90,7 +135,10 @@ def test_demo_quick(capsys):
 
     lines = []
     assert run_demo(epochs=2, n_iters=3, print_fn=lines.append) == 0
-    table = {line.split()[0] + (" " + line.split()[1] if line.startswith("geodesic") else ""):
-             line for line in lines if line.startswith(("adaptive", "geodesic", "euclidean"))}
+    table = {
+        line.split()[0] + (" " + line.split()[1] if line.startswith("geodesic") else ""): line
+        for line in lines
+        if line.startswith(("adaptive", "geodesic", "euclidean"))
+    }
     assert "yes" in table["geodesic inv"] and "yes" in table["geodesic mix"]
     assert "NO" in table["adaptive"]

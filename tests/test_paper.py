@@ -181,12 +181,12 @@ def test_clip_full_model_directory(tmp_path):
         torch.testing.assert_close(model(x), ref)
 
 
-def test_paper_driver_bert(tmp_path):
+def _bert_driver_setup(tmp_path):
+    """Three tiny BERT-MNLI fine-tunes, six MNLI rows, gaps: the driver's arguments."""
     import json
 
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from geosharp.cli import main
     from geosharp.hf import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("minilm"), local_files_only=True)
@@ -216,6 +216,16 @@ def test_paper_driver_bert(tmp_path):
     argv += ["--gaps", str(gaps), "--out", str(out), "--n-points", "4", "--batch-size", "2"]
     argv += ["--n-iters", "1", "--measures", "adaptive", "geodesic-inv", "--rho-factors", "1"]
     argv += ["--n-boot", "50"]
+    return argv
+
+
+def test_paper_driver_bert(tmp_path):
+    import json
+
+    from geosharp.cli import main
+
+    argv = _bert_driver_setup(tmp_path)
+    out = tmp_path / "out"
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n_models"] == 3
@@ -224,3 +234,16 @@ def test_paper_driver_bert(tmp_path):
         assert -1 <= entry["estimate"] <= 1
     record = json.loads((out / "measures" / "bert-0.json").read_text())
     assert record["complete"] and len(record["measures"]["adaptive"]["0.05"]["per_batch"]) == 2
+
+
+def test_paper_driver_under_torchrun(tmp_path):
+    """Two gloo ranks share the three checkpoints and write the same files."""
+    from test_zoo import _torchrun_or_plain
+
+    argv = _bert_driver_setup(tmp_path)
+    single = tmp_path / "out"
+    shared = tmp_path / "shared"
+    _torchrun_or_plain(["-m", "geosharp.cli", *argv], 1, tmp_path)
+    _torchrun_or_plain(["-m", "geosharp.cli", *argv, "--out", str(shared)], 2, tmp_path)
+    for name in ("summary.json", *(f"measures/bert-{i}.json" for i in range(3))):
+        assert (single / name).read_bytes() == (shared / name).read_bytes()

@@ -55,8 +55,9 @@ def test_transformer_decoder_self_and_cross_attention():
 
 
 def test_full_transformer_stacks_all_layers():
-    model = nn.Transformer(8, 2, num_encoder_layers=2, num_decoder_layers=1,
-                           dim_feedforward=16, dropout=0.0, dtype=F64)
+    model = nn.Transformer(
+        8, 2, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=16, dropout=0.0, dtype=F64
+    )
     sym = geosharp.find_symmetries(model)
     assert len(sym.pairs) == 2 * 2 + 2 * 2  # 2 encoder layers, 1 decoder with 2 attentions
     src, tgt = torch.randn(6, 2, 8, dtype=F64), torch.randn(4, 2, 8, dtype=F64)
@@ -103,8 +104,14 @@ def test_self_check_names_a_wrong_pair():
         wq = positions(module.q.weight)  # (out, in)
         wk = positions(module.k.weight)
         # Declares G = W_Q (not W_Q^T): not the product structure of the scores.
-        return [PairSpec(prefix, "wrong", (Block(name_of(module.q.weight), wq[None]),),
-                         (Block(name_of(module.k.weight), wk.t()[None]),))]
+        return [
+            PairSpec(
+                prefix,
+                "wrong",
+                (Block(name_of(module.q.weight), wq[None]),),
+                (Block(name_of(module.k.weight), wk.t()[None]),),
+            )
+        ]
 
     register_handler(Wrong, wrong_handler)
     model = nn.Sequential(Wrong()).double()

@@ -158,3 +158,87 @@ def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
     assert source.startswith("digits")
     assert xtr.shape[1:] == (1, 28, 28) and len(yte) == 10 and len(ytr) == len(xtr)
     assert -1.0 <= float(xtr.min()) and float(xtr.max()) <= 1.0
+
+
+def _run_cli(args, out, nproc, tmp_path):
+    """``geosharp zoo ...`` as a plain process or under ``torchrun``."""
+    cli = ["-m", "geosharp.cli", "zoo", *args, "--out", str(out), "--no-progress"]
+    return _torchrun_or_plain(cli, nproc, tmp_path)
+
+
+def _torchrun_or_plain(cli, nproc, tmp_path):
+    """``python *cli`` as one plain process or ``nproc`` torchrun processes (gloo, CPU,
+    one thread each, 127.0.0.1 only); returns stdout, fails with the logs."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    if nproc == 1:
+        cmd = [sys.executable, *cli]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            *cli,
+        ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_torchrun_shares_the_zoo_and_writes_the_same_files(tmp_path):
+    """Two gloo ranks train and measure 3 models (2 + 1) into the files a single process
+    writes: same weights, same metrics, byte-identical measurement files and summary."""
+    args = ["all", "--zoo", "vision", "--preset", "smoke", "--n-models", "3", "--threads", "1"]
+    single, shared = tmp_path / "single", tmp_path / "shared"
+    _run_cli(args, single, 1, tmp_path)
+    stdout = _run_cli(args, shared, 2, tmp_path)
+    assert "[rank 0/2] measured 2 model(s)" in stdout
+    assert "[rank 1/2] measured 1 model(s)" in stdout
+    ids = [f"vision-{i:03d}" for i in range(3)]
+    for i in ids:
+        a, b = single / "vision" / "models" / i, shared / "vision" / "models" / i
+        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+        meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+        meta_a.pop("train_seconds"), meta_b.pop("train_seconds")
+        assert meta_a == meta_b
+        name = f"measures/{i}.json"
+        assert (single / "vision" / name).read_bytes() == (shared / "vision" / name).read_bytes()
+    summary = "report/summary.json"
+    assert (single / "vision" / summary).read_bytes() == (shared / "vision" / summary).read_bytes()
+
+
+def test_text_model_round_trip_and_symmetries(tmp_path):
+    """The mean-pooling MiniLM classifier saves/loads exactly, ignores padding, and its
+    12 query-key and 12 value-output GL(32) pairs are found."""
+    import torch
+
+    import geosharp
+
+    hp = dict(layers=1, seed=3)
+    model = zoo.build_model(hp, "text").eval()
+    zoo._save_model(model, tmp_path / "m")
+    loaded = zoo.load_zoo_model(tmp_path / "m", "text")
+    ids = torch.tensor([[101, 2023, 3185, 2003, 2307, 102, 0, 0]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask).logits
+        b = loaded(input_ids=ids, attention_mask=mask).logits
+        c = loaded(input_ids=ids[:, :6], attention_mask=mask[:, :6]).logits
+    assert torch.equal(a, b)
+    assert torch.allclose(b, c, atol=1e-6)
+    summary = geosharp.find_symmetries(loaded).summary()
+    assert "query-key      GL(32) x 12 heads" in summary
+    assert "value-output   GL(32) x 12 heads" in summary

@@ -160,9 +160,9 @@ class InvState(PairState):
 
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
-        return ((x[0] @ self.P_inv) * y[0]).sum((-1, -2)) + (
-            (x[1] @ self.Q_inv) * y[1]
-        ).sum((-1, -2))
+        return ((x[0] @ self.P_inv) * y[0]).sum((-1, -2)) + ((x[1] @ self.Q_inv) * y[1]).sum(
+            (-1, -2)
+        )
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
@@ -226,8 +226,20 @@ class InvMetric(PairMetric):
         else:
             e, T, T_inv = d, S, S_inv
         return InvState(
-            G, H, P, Q, P_inv, Q_inv,
-            P_sqrt=P_sqrt, Q_sqrt=Q_sqrt, S=S, S_inv=S_inv, d=d, T=T, T_inv=T_inv, e=e,
+            G,
+            H,
+            P,
+            Q,
+            P_inv,
+            Q_inv,
+            P_sqrt=P_sqrt,
+            Q_sqrt=Q_sqrt,
+            S=S,
+            S_inv=S_inv,
+            d=d,
+            T=T,
+            T_inv=T_inv,
+            e=e,
         )
 
 

@@ -290,7 +290,7 @@ def _checked_loss(loss: object, where: str) -> float:
             f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; "
             "reduce it, e.g. with .mean()"
         )
-    value = float(loss)
+    value = float(loss.detach())
     if not math.isfinite(value):
         raise FloatingPointError(f"the {where} loss is {value}: check the model and the data")
     return value

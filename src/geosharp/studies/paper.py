@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,7 +282,9 @@ def mnli_batches(
 # --------------------------------------------------------------------------- driver
 
 
-def _measure_checkpoint(model, batches, loss_fn, measures, rho_factors, n_iters, seed, path):
+def _measure_checkpoint(
+    model, batches, loss_fn, measures, rho_factors, n_iters, seed, path, autocast_dtype=None
+):
     """Sharpness at every (measure, radius); resumable, rewritten atomically."""
     from ..measures import DEFAULT_RHO, measure_kwargs, sharpness
     from .zoo import write_json_atomic
@@ -297,7 +300,14 @@ def _measure_checkpoint(model, batches, loss_fn, measures, rho_factors, n_iters,
             if repr(rho) in per_rho:
                 continue
             res = sharpness(
-                model, batches, loss_fn, rho=rho, n_iters=n_iters, seed=seed, **measure_kwargs(name)
+                model,
+                batches,
+                loss_fn,
+                rho=rho,
+                n_iters=n_iters,
+                seed=seed,
+                autocast_dtype=autocast_dtype,
+                **measure_kwargs(name),
             )
             per_rho[repr(rho)] = dict(value=res.value, per_batch=list(res.per_batch), loss=res.loss)
             write_json_atomic(path, record)
@@ -313,18 +323,30 @@ def read_gaps(path: str | Path) -> dict[str, float]:
 
 
 def run_paper(args) -> dict:
+    """Measure every checkpoint (this rank's share of them under ``torchrun``), then,
+    on rank 0 once all are done, read every record back and write ``summary.json``."""
     from tqdm.auto import tqdm
 
+    from .. import distributed as gd
     from ..hf import classification_loss
     from .stats import kendall_tau_with_ci
+    from .zoo import move_batch
 
     out = Path(args.out)
     checkpoints = list_checkpoints(args.checkpoints)
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoints under {args.checkpoints}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not gd.is_distributed():
+        gd.init()
+    rank, world = gd.rank_and_world()
+    device = gd.device() if args.device == "auto" else torch.device(args.device)
+    autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     rows = read_mnli(args.data) if args.setting == "bert" else None
-    records = {}
-    for ckpt in tqdm(checkpoints, desc=f"measure {args.setting}", unit="model", disable=None):
+    mine = checkpoints[rank::world]
+    bar = tqdm(
+        mine, desc=f"measure {args.setting}", unit="model", disable=None if rank == 0 else True
+    )
+    for ckpt in bar:
         if args.setting == "clip":
             model = load_clip_finetune(ckpt, config=args.config)
             size = model.vision.config.image_size
@@ -338,16 +360,21 @@ def run_paper(args) -> dict:
             model = load_bert_mnli(ckpt)
             batches = mnli_batches(ckpt, rows, args.batch_size, args.n_points)
             loss_fn = classification_loss
-        records[ckpt.name] = _measure_checkpoint(
-            model,
-            batches,
+        _measure_checkpoint(
+            model.to(device),
+            [move_batch(b, device) for b in batches],
             loss_fn,
             args.measures,
             args.rho_factors,
             args.n_iters,
             args.seed,
             out / "measures" / f"{ckpt.name}.json",
+            autocast_dtype=autocast,
         )
+    gd.barrier()
+    records = {
+        c.name: json.loads((out / "measures" / f"{c.name}.json").read_text()) for c in checkpoints
+    }
     summary = dict(setting=args.setting, n_models=len(records), taus={})
     if args.gaps:
         gaps = read_gaps(args.gaps)
@@ -360,7 +387,9 @@ def run_paper(args) -> dict:
                 summary["taus"].setdefault(measure, {})[key] = ci.to_dict()
     from .zoo import write_json_atomic
 
-    write_json_atomic(out / "summary.json", summary)
+    if rank == 0:
+        write_json_atomic(out / "summary.json", summary)
+    gd.barrier()
     return summary
 
 
@@ -387,6 +416,17 @@ def _parser():
     p.add_argument("--rho-factors", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
     p.add_argument("--n-boot", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:1, ... (default: this rank's GPU, else cpu)",
+    )
+    p.add_argument(
+        "--autocast",
+        choices=("none", "bf16", "fp16"),
+        default="none",
+        help="forward/backward under autocast (the geometry stays in float32)",
+    )
     return p
 
 
