@@ -106,6 +106,16 @@ def test_report(smoke_zoo):
         png = rdir / f"{preset.zoo}_scatter_{sel}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((rdir / "summary.json").read_text())["zoo"] == preset.zoo
+    import csv
+
+    rows = list(csv.DictReader((rdir / "models.csv").open()))
+    assert [r["id"] for r in rows] == [f"{preset.zoo}-{i:03d}" for i in range(preset.n_models)]
+    name, rho = preset.measures[0], preset.rho_grid(preset.measures[0])[0]
+    for row in rows:
+        record = json.loads((out / preset.zoo / "measures" / f"{row['id']}.json").read_text())
+        meta = json.loads((out / preset.zoo / "models" / row["id"] / "meta.json").read_text())
+        assert float(row[f"{name}@{rho!r}"]) == record["measures"][name][repr(rho)]["value"]
+        assert float(row["error_gap"]) == meta["error_gap"]
 
 
 def test_sampling_is_deterministic_and_prefix_stable():

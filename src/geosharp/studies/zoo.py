@@ -11,9 +11,11 @@ Two zoos (see ``docs/zoo.md`` for the protocol):
 
 Layout under ``<out>/<zoo>/``::
 
-    models/<id>/            save_pretrained weights + meta.json (hyperparameters, errors)
+    models/<id>/            config.json + model.safetensors + meta.json (hyperparameters,
+                            errors)
     measures/<id>.json      sharpness per measure and radius (value and per-batch values)
-    report/report.md        tables; report/*.png scatter plots; report/summary.json
+    report/report.md        tables; report/*.png scatter plots; report/summary.json;
+                            report/models.csv (one row per model)
 
 Every file is written atomically (temporary file, then ``os.replace``) and each step
 skips what is already complete, so a killed run resumes where it stopped.
@@ -978,7 +980,8 @@ def write_scatter(
 
 
 def report_zoo(preset: ZooPreset, out: str | Path, target: float | None = None) -> dict:
-    """Write ``report/report.md``, ``report/summary.json`` and the scatter PNGs."""
+    """Write ``report/report.md``, ``report/summary.json``, ``report/models.csv`` (one row
+    per model) and the scatter PNGs."""
     metas, records = _load_zoo(preset, out)
     if len(metas) < 2:
         raise RuntimeError(f"need at least 2 trained and measured models, found {len(metas)}")
@@ -989,8 +992,29 @@ def report_zoo(preset: ZooPreset, out: str | Path, target: float | None = None) 
         for sel in ("best", "calibrated")
     ]
     write_json_atomic(rdir / "summary.json", summary)
+    _write_text_atomic(rdir / "models.csv", models_table(preset, metas, records))
     _write_text_atomic(rdir / "report.md", format_report(summary, [str(f) for f in figures]))
     return summary
+
+
+def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> str:
+    """One CSV row per model: id, hyperparameters, train/test error and loss, gaps, and
+    the sharpness of every measure at every radius (column ``<measure>@<rho>``)."""
+    import csv
+    import io
+
+    axes = list(preset.axes) + [k for k in preset.fixed if k not in preset.axes]
+    metrics = ["train_error", "test_error", "train_loss", "test_loss", "error_gap", "loss_gap"]
+    columns = [(name, repr(rho)) for name in preset.measures for rho in preset.rho_grid(name)]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["id", *axes, *metrics, *(f"{m}@{r}" for m, r in columns)])
+    for meta, record in zip(metas, records, strict=True):
+        hp = meta["hyperparameters"]
+        row = [meta["id"], *(hp.get(a) for a in axes), *(meta[k] for k in metrics)]
+        row += [record["measures"][m][r]["value"] for m, r in columns]
+        writer.writerow(row)
+    return buffer.getvalue()
 
 
 # --------------------------------------------------------------------------- CLI
