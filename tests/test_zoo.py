@@ -140,6 +140,25 @@ def test_granulated_tau_on_a_grid():
     assert out["granulated"] == -1.0
 
 
+def test_within_levels_removes_a_confounder():
+    """Within each level the measure orders the gap perfectly (tau = +1), while a level
+    shift of the gap makes the pooled tau negative."""
+    from geosharp.studies.stats import kendall_tau
+
+    rng = np.random.default_rng(0)
+    levels = np.repeat([0.0, 0.1, 0.25], 6)
+    values = rng.uniform(size=18) + 3 * levels  # noisier models look sharper ...
+    gap = values - 10 * levels  # ... and have much smaller gaps
+    assert kendall_tau(values, gap, variant="b") < 0
+    out = zoo.within_levels(values, gap, levels, n_boot=50, seed=0)
+    assert set(out["levels"]) == {"0.0", "0.1", "0.25"}
+    for entry in out["levels"].values():
+        assert entry["tau"] == pytest.approx(1.0) and entry["n"] == 6
+    assert out["mean"] == pytest.approx(1.0)
+    small = zoo.within_levels(values[:4], gap[:4], [0, 0, 1, 1], n_boot=10, seed=0)
+    assert small["levels"] == {} and math.isnan(small["mean"])
+
+
 def test_augment_shapes():
     import torch
 

@@ -799,6 +799,28 @@ def _tau_ci(x: np.ndarray, y: np.ndarray, n_boot: int, seed: int) -> dict:
     return dict(tau=kendall_tau(x, y, variant="b"), low=ci.low, high=ci.high)
 
 
+def within_levels(
+    values: np.ndarray, gap: np.ndarray, levels: Sequence, n_boot: int, seed: int
+) -> dict:
+    """Kendall tau (with bootstrap interval) within each level of a confounder (e.g. the
+    label noise, which alone moves the error gap of noisy-label models below zero), and
+    their mean weighted by the number of pairs in each level."""
+    out, weights, taus = {}, [], []
+    levels = np.asarray([str(v) for v in levels])
+    for level in sorted(set(levels.tolist()), key=float):
+        at = levels == level
+        entry = _tau_ci(values[at], gap[at], n_boot, seed) if at.sum() >= 3 else None
+        if entry is None:
+            continue
+        entry["n"] = int(at.sum())
+        out[level] = entry
+        if np.isfinite(entry["tau"]):
+            taus.append(entry["tau"])
+            weights.append(at.sum() * (at.sum() - 1) / 2)
+    mean = float(np.average(taus, weights=weights)) if taus else float("nan")
+    return dict(levels=out, mean=mean)
+
+
 def analyse(
     preset: ZooPreset, metas: list[dict], records: list[dict], target: float | None = None
 ) -> dict:
@@ -845,6 +867,19 @@ def analyse(
             return abs(np.log(m) - np.log(target))
 
         calibrated[name] = min(entries.values(), key=dist)
+    stratified = {}
+    if "label_noise" in axes:
+        for sel, chosen in (("best", best), ("calibrated", calibrated)):
+            stratified[sel] = {
+                name: within_levels(
+                    _values(records, name, repr(e["rho"])),
+                    gaps["error"],
+                    [h["label_noise"] for h in hps],
+                    preset.n_boot,
+                    preset.seed,
+                )
+                for name, e in chosen.items()
+            }
     return dict(
         zoo=preset.zoo,
         n_models=len(metas),
@@ -853,6 +888,7 @@ def analyse(
         grid=grid,
         best=best,
         calibrated=calibrated,
+        within_label_noise=stratified,
         models=[
             dict(
                 id=m["id"],
@@ -932,6 +968,37 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
                 f"| {name} | {e['rho']:.4g} | {e['median_increase']:.4g} | {_fmt(e['tau_error'])} "
                 f"| {_fmt(e['tau_loss'])} | {e['granulated_error']['granulated']:+.2f} |"
             )
+    strat = summary.get("within_label_noise") or {}
+    if strat:
+        levels = sorted({lv for d in strat["best"].values() for lv in d["levels"]}, key=float)
+        lines += [
+            "",
+            "## Within each label-noise level",
+            "",
+            "Training labels with noise `q` make the training error (measured on those "
+            "labels) large, so noise alone moves a model's error gap down; Kendall tau "
+            "within each noise level removes that confounder (mean weighted by pairs).",
+            "",
+            "| measure | radius | "
+            + " | ".join(f"noise {float(lv):g}" for lv in levels)
+            + " | weighted mean |",
+            "|---|---|" + "---|" * (len(levels) + 1),
+        ]
+        for sel in ("best", "calibrated"):
+            for name in MAIN_MEASURES:
+                if name not in strat[sel]:
+                    continue
+                d = strat[sel][name]
+                cells = [
+                    f"{_fmt(d['levels'][lv])} (n={d['levels'][lv]['n']})"
+                    if lv in d["levels"]
+                    else "n/a"
+                    for lv in levels
+                ]
+                rho = summary[sel][name]["rho"]
+                row = f"| {name} | {sel} ({rho:.4g}) | " + " | ".join(cells)
+                mean = f"{d['mean']:+.2f}" if np.isfinite(d["mean"]) else "n/a"
+                lines.append(row + f" | {mean} |")
     lines += [
         "",
         "Granulated tau: per hyperparameter axis, the mean of sign(d measure) sign(d gap) over "
@@ -947,13 +1014,18 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
 def write_scatter(
     summary: dict, records: list[dict], metas: list[dict], path: Path, sel: str
 ) -> Path:
-    """Measure vs error gap for adaptive, geodesic inv and mix (paper's Figures 4, 5)."""
+    """Measure vs error gap for adaptive, geodesic inv and mix (paper's Figures 4, 5);
+    points coloured by the models' label noise."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     gap = np.array([m["error_gap"] for m in metas])
+    noise = np.array([float(m["hyperparameters"].get("label_noise", 0.0)) for m in metas])
+    levels = sorted(set(noise.tolist()))
+    colours = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, max(len(levels), 1)))
     fig, axs = plt.subplots(1, len(MAIN_MEASURES), figsize=(4 * len(MAIN_MEASURES), 3.4))
     for ax, name in zip(np.atleast_1d(axs), MAIN_MEASURES, strict=False):
         if name not in summary[sel]:
@@ -961,14 +1033,19 @@ def write_scatter(
             continue
         e = summary[sel][name]
         vals = _values(records, name, repr(e["rho"]))
-        ax.scatter(vals, gap, s=14)
+        for level, colour in zip(levels, colours, strict=True):
+            at = noise == level
+            ax.scatter(vals[at], gap[at], s=14, color=colour, label=f"label noise {level:g}")
         ax.set_xlabel(f"{name} (rho={e['rho']:.3g})")
         ax.set_ylabel("test - train error")
         tau = e["tau_error"]["tau"]
         ax.set_title(f"tau = {tau:+.2f}" if np.isfinite(tau) else "tau = n/a")
         if np.all(vals > 0) and vals.max() > 10 * vals.min():
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(axis="x", labelrotation=30)
+    if len(levels) > 1:
+        np.atleast_1d(axs)[0].legend(fontsize=7, loc="best")
     fig.suptitle(f"{summary['zoo']} zoo, {sel} radius")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
