@@ -51,8 +51,9 @@ def build(name: str, batch: int, seq: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="demo-vit",
-                        choices=["demo-vit", "minilm", "bert-base-shaped"])
+    parser.add_argument(
+        "--model", default="demo-vit", choices=["demo-vit", "minilm", "bert-base-shaped"]
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--short", type=int, default=2)
@@ -77,8 +78,9 @@ def main() -> None:
 
     def run(kw, n) -> float:
         start = time.perf_counter()
-        geosharp.sharpness(model, [batch], loss_fn, rho=1e-3, n_iters=n,
-                           symmetries=symmetries, **kw)
+        geosharp.sharpness(
+            model, [batch], loss_fn, rho=1e-3, n_iters=n, symmetries=symmetries, **kw
+        )
         return time.perf_counter() - start
 
     fwd_bwd()  # warm-up
@@ -90,8 +92,10 @@ def main() -> None:
             steps[name].append((t_long - t_short) / (args.long - args.short))
     ref = statistics.median(base)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model {args.model}: {n_params:,} parameters, batch {args.batch}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(
+        f"model {args.model}: {n_params:,} parameters, batch {args.batch}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
     print(f"{'':<16} {'seconds':>9} {'x fwd+bwd':>10}")
     print(f"{'forward+backward':<16} {ref:>9.4f} {1.0:>10.2f}")
     adaptive = statistics.median(steps["adaptive"])
