@@ -519,110 +519,58 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def _row(target: str, value: float, limit: float, seconds, unit="x", at_least=False) -> dict:
+    """One target line: ``value`` against ``limit`` (an upper bound unless ``at_least``)."""
+    row = dict(target=target, value=value, limit=limit, unit=unit, seconds=seconds)
+    if at_least:
+        row["at_least"] = True
+    row["ok"] = value >= limit if at_least else value <= limit
+    return row
+
+
 def report(args, device, timing, projection, memory) -> list[dict]:
     rows = []
     if timing is not None:
         ref = min(timing["fwd_bwd_fresh_grads"], timing["fwd_bwd_kept_grads"])
         steps = timing["steps"]
         for name, t in steps.items():
-            rows.append(
-                dict(
-                    target=f"1. {name} step / forward+backward",
-                    value=t / ref,
-                    limit=1.15,
-                    unit="x",
-                    seconds=t,
-                )
-            )
+            rows.append(_row(f"1. {name} step / forward+backward", t / ref, 1.15, t))
         for name, extra in timing.get("overhead", {}).items():
-            rows.append(
-                dict(
-                    target=f"   {name}: fwd+bwd + in-loop work ({extra:.3f}s) / fwd+bwd",
-                    value=(ref + extra) / ref,
-                    limit=1.15,
-                    unit="x",
-                    seconds=ref + extra,
-                )
-            )
+            target = f"   {name}: fwd+bwd + in-loop work ({extra:.3f}s) / fwd+bwd"
+            rows.append(_row(target, (ref + extra) / ref, 1.15, ref + extra))
         for name in ("geodesic[inv]", "geodesic[mix]"):
-            rows.append(
-                dict(
-                    target=f"2. {name} step / adaptive step",
-                    value=steps[name] / steps["adaptive"],
-                    limit=1.10,
-                    unit="x",
-                    seconds=steps[name],
-                )
-            )
+            target = f"2. {name} step / adaptive step"
+            rows.append(_row(target, steps[name] / steps["adaptive"], 1.10, steps[name]))
             extra = timing.get("overhead")
             if extra:
-                rows.append(
-                    dict(
-                        target=f"   {name}: same, from the in-loop work",
-                        value=(ref + extra[name]) / (ref + extra["adaptive"]),
-                        limit=1.10,
-                        unit="x",
-                        seconds=ref + extra[name],
-                    )
-                )
+                value = (ref + extra[name]) / (ref + extra["adaptive"])
+                target = f"   {name}: same, from the in-loop work"
+                rows.append(_row(target, value, 1.10, ref + extra[name]))
     if projection is not None:
         p = projection
         shape = f"{p['heads']} x ({p['n']}x{p['h']})"
-        rows.append(
-            dict(
-                target=f"3. Sylvester solve, batched vs scipy loop ({p['heads']} x h={p['h']})",
-                value=p["solve_scipy_loop"] / p["solve_batched"],
-                limit=20,
-                unit="x",
-                seconds=p["solve_batched"],
-                at_least=True,
-            )
-        )
-        rows.append(
-            dict(
-                target=f"3. projection, fused f64 vs scipy loop ({shape})",
-                value=p["projection_scipy_loop"] / p["projection_fused"],
-                limit=20,
-                unit="x",
-                seconds=p["projection_fused"],
-                at_least=True,
-            )
-        )
-        rows.append(
-            dict(
-                target=f"   projection, fused f32 vs scipy loop ({shape})",
-                value=p["projection_scipy_loop"] / p["projection_fused_float32"],
-                limit=20,
-                unit="x",
-                seconds=p["projection_fused_float32"],
-                at_least=True,
-            )
-        )
-        rows.append(
-            dict(
-                target=f"   projection, pairs.py reference vs scipy loop ({shape})",
-                value=p["projection_scipy_loop"] / p["projection_reference"],
-                limit=20,
-                unit="x",
-                seconds=p["projection_reference"],
-                at_least=True,
-            )
-        )
+        loop = "projection_scipy_loop"
+        compared = [  # (target, batched time, per-head scipy loop time)
+            (
+                f"3. Sylvester solve, batched vs scipy loop ({p['heads']} x h={p['h']})",
+                "solve_batched",
+                "solve_scipy_loop",
+            ),
+            (f"3. projection, fused f64 vs scipy loop ({shape})", "projection_fused", loop),
+            (f"   projection, fused f32 vs scipy loop ({shape})", "projection_fused_float32", loop),
+            (
+                f"   projection, pairs.py reference vs scipy loop ({shape})",
+                "projection_reference",
+                loop,
+            ),
+        ]
+        for target, batched, reference in compared:
+            value = p[reference] / p[batched]
+            rows.append(_row(target, value, 20, p[batched], at_least=True))
     if memory is not None:
         for name, k in memory["buffers"].items():
-            rows.append(
-                dict(
-                    target=f"4. {name} peak: parameter-sized buffers",
-                    value=k,
-                    limit=3,
-                    unit="",
-                    seconds=None,
-                )
-            )
-    for row in rows:
-        row["ok"] = (
-            row["value"] >= row["limit"] if row.get("at_least") else row["value"] <= row["limit"]
-        )
+            target = f"4. {name} peak: parameter-sized buffers"
+            rows.append(_row(target, k, 3, None, unit=""))
 
     threads = torch.get_num_threads()
     print(
