@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -105,8 +106,11 @@ def init(backend: str | None = None) -> tuple[int, int]:
     return rank_and_world()
 
 
-def device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
+def device(spec: str | torch.device | None = "auto") -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU;
+    any ``spec`` other than ``"auto"`` (``"cpu"``, ``"cuda:1"``, ...) is taken as is."""
+    if spec is not None and spec != "auto":
+        return torch.device(spec)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
@@ -178,16 +182,27 @@ def map_population(
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and a rename, so
-    that readers never see a partial file."""
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file, flushed to disk,
+    and a rename, so that readers never see a partial file (NumPy scalars and arrays are
+    written as numbers and lists)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
+            json.dump(obj, f, indent=2, default=_jsonable)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")

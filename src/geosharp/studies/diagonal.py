@@ -71,6 +71,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..distributed import write_json_atomic
 from ..geometry.space import Geometry, PerturbationSpace
 from ..measures.apgd import auto_pgd
 from ..models.diagonal import (
@@ -574,16 +575,8 @@ def run_study(
             fig_dir = Path(figures_dir) if figures_dir is not None else out
             summary["figures"] = [str(p) for p in write_figures(records, taus, fig_dir, name)]
         summary["seconds"]["total"] = time.perf_counter() - start
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        write_json_atomic(out / "summary.json", summary)
     return summary
-
-
-def _jsonable(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x).__name__)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,34 +285,24 @@ def _measure_checkpoint(
     model, batches, loss_fn, measures, rho_factors, n_iters, seed, path, autocast_dtype=None
 ):
     """Sharpness at every (measure, radius); resumable, rewritten atomically."""
-    from ..measures import DEFAULT_RHO, measure_kwargs, sharpness
-    from .zoo import write_json_atomic
+    from ..measures import DEFAULT_RHO
+    from .zoo import measure_grid, read_json
 
-    record = json.loads(path.read_text()) if path.exists() else {}
+    record = read_json(path)
     if record.get("complete"):
         return record
-    results = record.setdefault("measures", {})
-    for name in measures:
-        per_rho = results.setdefault(name, {})
-        for factor in rho_factors:
-            rho = float(DEFAULT_RHO[name] * factor)
-            if repr(rho) in per_rho:
-                continue
-            res = sharpness(
-                model,
-                batches,
-                loss_fn,
-                rho=rho,
-                n_iters=n_iters,
-                seed=seed,
-                autocast_dtype=autocast_dtype,
-                **measure_kwargs(name),
-            )
-            per_rho[repr(rho)] = dict(value=res.value, per_batch=list(res.per_batch), loss=res.loss)
-            write_json_atomic(path, record)
-    record["complete"] = True
-    write_json_atomic(path, record)
-    return record
+    grid = {name: [float(DEFAULT_RHO[name] * f) for f in rho_factors] for name in measures}
+    return measure_grid(
+        record,
+        path,
+        model,
+        batches,
+        loss_fn,
+        grid,
+        n_iters=n_iters,
+        seed=seed,
+        autocast_dtype=autocast_dtype,
+    )
 
 
 def read_gaps(path: str | Path) -> dict[str, float]:
@@ -328,6 +317,7 @@ def run_paper(args) -> dict:
     from tqdm.auto import tqdm
 
     from .. import distributed as gd
+    from ..distributed import write_json_atomic
     from ..hf import classification_loss
     from .stats import kendall_tau_with_ci
     from .zoo import move_batch
@@ -336,10 +326,8 @@ def run_paper(args) -> dict:
     checkpoints = list_checkpoints(args.checkpoints)
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoints under {args.checkpoints}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not gd.is_distributed():
-        gd.init()
-    rank, world = gd.rank_and_world()
-    device = gd.device() if args.device == "auto" else torch.device(args.device)
+    rank, world = gd.init()  # under torchrun every rank takes its share of the checkpoints
+    device = gd.device(args.device)
     autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     rows = read_mnli(args.data) if args.setting == "bert" else None
     mine = checkpoints[rank::world]
@@ -385,8 +373,6 @@ def run_paper(args) -> dict:
                 vals = [records[n]["measures"][measure][key]["value"] for n in names]
                 ci = kendall_tau_with_ci(vals, gap, n_boot=args.n_boot, seed=args.seed)
                 summary["taus"].setdefault(measure, {})[key] = ci.to_dict()
-    from .zoo import write_json_atomic
-
     if rank == 0:
         write_json_atomic(out / "summary.json", summary)
     gd.barrier()

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .. import distributed as gd
+from ..distributed import write_json_atomic
 
 __all__ = [
     "PRESETS",
@@ -229,34 +229,11 @@ def sample_hyperparameters(preset: ZooPreset) -> list[dict]:
 # --------------------------------------------------------------------------- atomic I/O
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=_jsonable)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _jsonable(x):
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x).__name__)
 
 
 # --------------------------------------------------------------------------- data
@@ -583,7 +560,8 @@ def _save_model(model, directory: Path) -> None:
     save_model(model.cpu(), str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``, ``{}`` when there is no file yet."""
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -664,11 +642,9 @@ def measure_zoo(
 ) -> list[str]:
     """Measure every trained model at every (measure, radius) of the preset.
 
-    ``measures/<id>.json`` is rewritten atomically after each measure (so a killed
-    run loses at most one measure of one model) and is marked ``complete`` at the end."""
+    ``measures/<id>.json`` is rewritten atomically after each (measure, radius), so a
+    killed run loses at most one of them, and is marked ``complete`` at the end."""
     from tqdm.auto import tqdm
-
-    from ..measures import measure_kwargs, sharpness
 
     zdir = _zoo_dir(out, preset)
     mdir = zdir / "measures"
@@ -679,18 +655,17 @@ def measure_zoo(
             hp
             for hp in sample_hyperparameters(preset)
             if _model_complete(zdir / "models" / hp["id"])
-            and not _read_json(mdir / f"{hp['id']}.json").get("complete")
+            and not read_json(mdir / f"{hp['id']}.json").get("complete")
         ]
     )
     bar = tqdm(hps, desc=f"measure {preset.zoo}", unit="model", disable=not progress or None)
     for hp in bar:
         path = mdir / f"{hp['id']}.json"
-        record = _read_json(path)
+        record = read_json(path)
         record.setdefault("id", hp["id"])
         record.setdefault("n_points", preset.n_points)
         record.setdefault("batch_size", preset.measure_batch)
         record.setdefault("n_iters", preset.n_iters)
-        results = record.setdefault("measures", {})
         model = load_zoo_model(zdir / "models" / hp["id"], preset.zoo).to(device or "cpu")
         batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
         perturbed = None
@@ -698,34 +673,66 @@ def measure_zoo(
             frozen = set(preset.frozen_in_measure)
             perturbed = [n for n, _ in model.named_parameters() if n not in frozen]
             record.setdefault("unperturbed_parameters", sorted(frozen))
-        for name in preset.measures:
-            per_rho = results.setdefault(name, {})
-            todo = [r for r in preset.rho_grid(name) if repr(r) not in per_rho]
-            for rho in todo:
-                res = sharpness(
-                    model,
-                    batches,
-                    loss_fn_for(preset.zoo),
-                    rho=rho,
-                    n_iters=preset.n_iters,
-                    seed=preset.seed,
-                    parameters=perturbed,
-                    **measure_kwargs(name),
-                )
-                per_rho[repr(rho)] = dict(
-                    value=res.value,
-                    per_batch=list(res.per_batch),
-                    loss=res.loss,
-                    per_batch_loss=list(res.per_batch_loss),
-                )
-            if todo:
-                write_json_atomic(path, record)
-        record["complete"] = True
-        write_json_atomic(path, record)
+        grid = {name: preset.rho_grid(name) for name in preset.measures}
+        measure_grid(
+            record,
+            path,
+            model,
+            batches,
+            loss_fn_for(preset.zoo),
+            grid,
+            n_iters=preset.n_iters,
+            seed=preset.seed,
+            parameters=perturbed,
+        )
         done_ids.append(hp["id"])
         if on_model_done is not None:
             on_model_done(hp["id"])
     return done_ids
+
+
+def measure_grid(
+    record: dict,
+    path: Path,
+    model,
+    batches,
+    loss_fn,
+    grid: dict[str, Sequence[float]],
+    n_iters: int,
+    seed: int,
+    **sharpness_kwargs,
+) -> dict:
+    """Fill ``record["measures"][measure][repr(rho)]`` (value, per-batch values, loss,
+    per-batch losses) for every ``(measure, rho)`` of ``grid`` not in it yet, rewriting
+    ``path`` atomically after each; then mark the record ``complete``."""
+    from ..measures import measure_kwargs, sharpness
+
+    results = record.setdefault("measures", {})
+    for name, radii in grid.items():
+        per_rho = results.setdefault(name, {})
+        for rho in radii:
+            if repr(rho) in per_rho:
+                continue
+            res = sharpness(
+                model,
+                batches,
+                loss_fn,
+                rho=rho,
+                n_iters=n_iters,
+                seed=seed,
+                **sharpness_kwargs,
+                **measure_kwargs(name),
+            )
+            per_rho[repr(rho)] = dict(
+                value=res.value,
+                per_batch=list(res.per_batch),
+                loss=res.loss,
+                per_batch_loss=list(res.per_batch_loss),
+            )
+            write_json_atomic(path, record)
+    record["complete"] = True
+    write_json_atomic(path, record)
+    return record
 
 
 # --------------------------------------------------------------------------- report
@@ -1129,12 +1136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     preset = get_preset(args.zoo, args.preset)
     if args.n_models is not None:
         preset = dataclasses.replace(preset, n_models=args.n_models)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not gd.is_distributed():
-        gd.init()  # launched by torchrun: every rank takes its share of the models
-    rank, world = gd.rank_and_world()
+    rank, world = gd.init()  # under torchrun every rank takes its share of the models
     who = f"[rank {rank}/{world}] " if world > 1 else ""
     progress = not args.no_progress and rank == 0
-    device = gd.device() if args.device == "auto" else torch.device(args.device)
+    device = gd.device(args.device)
     if args.action in ("train", "all"):
         ids = train_zoo(preset, args.out, progress=progress, device=device)
         print(f"{who}trained {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'models'}")
