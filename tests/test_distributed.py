@@ -9,18 +9,14 @@ everything to JSON. The files must be byte-identical across the three runs.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import geosharp
+from launch import run_python
 from zoo import encoder_case
 
 TESTS = Path(__file__).resolve().parent
@@ -67,48 +63,12 @@ WORKER = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_worker(tmp_path: Path, nproc: int) -> Path:
     out = tmp_path / f"world{nproc}"
     out.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "MASTER_ADDR": "127.0.0.1",
-    }
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(key, None)
-    for attempt in range(2):  # a second try, on a fresh port, if the first one fails
-        if nproc == 1:
-            cmd = [sys.executable, str(script), str(out), str(TESTS)]
-        else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                "--nnodes=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
-                str(script),
-                str(out),
-                str(TESTS),
-            ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0 or nproc == 1 or attempt == 1:
-            break
-        warnings.warn(f"torchrun failed, retrying once: {proc.stderr[-2000:]}", stacklevel=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_python([str(script), str(out), str(TESTS)], nproc, timeout=300)
     assert (out / "world.txt").read_text() == str(nproc)
     return out
 

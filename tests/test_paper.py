@@ -238,12 +238,12 @@ def test_paper_driver_bert(tmp_path):
 
 def test_paper_driver_under_torchrun(tmp_path):
     """Two gloo ranks share the three checkpoints and write the same files."""
-    from test_zoo import _torchrun_or_plain
+    from launch import run_python
 
     argv = _bert_driver_setup(tmp_path)
     single = tmp_path / "out"
     shared = tmp_path / "shared"
-    _torchrun_or_plain(["-m", "geosharp.cli", *argv], 1, tmp_path)
-    _torchrun_or_plain(["-m", "geosharp.cli", *argv, "--out", str(shared)], 2, tmp_path)
+    run_python(["-m", "geosharp.cli", *argv], 1, cwd=tmp_path)
+    run_python(["-m", "geosharp.cli", *argv, "--out", str(shared)], 2, cwd=tmp_path)
     for name in ("summary.json", *(f"measures/bert-{i}.json" for i in range(3))):
         assert (single / name).read_bytes() == (shared / name).read_bytes()

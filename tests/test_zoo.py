@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from geosharp.studies import zoo
+from launch import run_python
 
 
 class Killed(Exception):
@@ -192,46 +193,7 @@ def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
 def _run_cli(args, out, nproc, tmp_path):
     """``geosharp zoo ...`` as a plain process or under ``torchrun``."""
     cli = ["-m", "geosharp.cli", "zoo", *args, "--out", str(out), "--no-progress"]
-    return _torchrun_or_plain(cli, nproc, tmp_path)
-
-
-def _torchrun_or_plain(cli, nproc, tmp_path):
-    """``python *cli`` as one plain process or ``nproc`` torchrun processes (gloo, CPU,
-    one thread each, 127.0.0.1 only); returns stdout, fails with the logs."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import warnings
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    for attempt in range(2):  # a second try on a fresh port (the run resumes) if one fails
-        if nproc == 1:
-            cmd = [sys.executable, *cli]
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                "--nnodes=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                *cli,
-            ]
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path
-        )
-        if proc.returncode == 0 or nproc == 1 or attempt == 1:
-            break
-        warnings.warn(f"torchrun failed, retrying once: {proc.stderr[-2000:]}", stacklevel=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_python(cli, nproc, cwd=tmp_path)
 
 
 def test_torchrun_shares_the_zoo_and_writes_the_same_files(tmp_path):
