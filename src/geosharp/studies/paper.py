@@ -326,11 +326,11 @@ def run_paper(args) -> dict:
     checkpoints = list_checkpoints(args.checkpoints)
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoints under {args.checkpoints}")
-    rank, world = gd.init()  # under torchrun every rank takes its share of the checkpoints
+    rank, _ = gd.init()  # under torchrun every rank takes its share of the checkpoints
     device = gd.device(args.device)
     autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
     rows = read_mnli(args.data) if args.setting == "bert" else None
-    mine = checkpoints[rank::world]
+    mine = [checkpoints[i] for i in gd.shard(len(checkpoints))]
     bar = tqdm(
         mine, desc=f"measure {args.setting}", unit="model", disable=None if rank == 0 else True
     )

@@ -572,8 +572,7 @@ def _my_share(pending: list[dict]) -> list[dict]:
     are disjoint and cover everything; each model's files are written by one rank only,
     and are the same files a single process writes."""
     gd.barrier()
-    rank, world = gd.rank_and_world()
-    return pending[rank::world]
+    return [pending[i] for i in gd.shard(len(pending))]
 
 
 def train_zoo(
