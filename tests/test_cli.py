@@ -2,56 +2,7 @@
 
 import json
 
-import pytest
-import torch
-
 from geosharp.cli import main
-
-WORDS = "good bad great awful film movie plot actor fun dull boring superb the a is was".split()
-
-
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    path = tmp_path_factory.mktemp("bert")
-    vocab = path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(WORDS) + 5,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=2,
-        initializer_range=0.2,
-        max_position_embeddings=32,
-    )
-    BertForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def vit_dir(tmp_path_factory):
-    from transformers import ViTConfig, ViTForImageClassification
-
-    path = tmp_path_factory.mktemp("vit")
-    torch.manual_seed(0)
-    config = ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=1,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=10,
-    )
-    ViTForImageClassification(config).save_pretrained(path)
-    return path
 
 
 def test_symmetries_command(bert_dir, capsys):
@@ -61,17 +12,14 @@ def test_symmetries_command(bert_dir, capsys):
     assert "self-check OK" in out
 
 
-def test_measure_text_csv_json(bert_dir, tmp_path, capsys):
-    data = tmp_path / "data.csv"
-    rows = ["text,label"] + [f"the film was {w},{i % 2}" for i, w in enumerate(WORDS * 2)]
-    data.write_text("\n".join(rows))
+def test_measure_text_csv_json(bert_dir, text_csv, tmp_path, capsys):
     out_json = tmp_path / "out.json"
     code = main(
         [
             "measure",
             str(bert_dir),
             "--data",
-            str(data),
+            str(text_csv),
             "--n-points",
             "16",
             "--batch-size",
@@ -94,6 +42,7 @@ def test_measure_text_csv_json(bert_dir, tmp_path, capsys):
     assert rows["adaptive"]["rho"] == 0.02 and rows["geodesic-mix"]["rho"] == 0.001
     assert rows["adaptive-linf"]["rho"] == 0.005  # default
     assert all(len(r["per_batch"]) == 2 for r in rows.values())
+    assert payload["new_parameters"] == []  # the checkpoint has its head
 
 
 def test_measure_vision_builtin_digits(vit_dir, capsys):
@@ -116,18 +65,8 @@ def test_measure_vision_builtin_digits(vit_dir, capsys):
         ]
     )
     assert code == 0
-    out = capsys.readouterr().out
-    payload = json.loads(out[out.index("{") :])
+    payload = json.loads(capsys.readouterr().out)  # only JSON on stdout
     assert payload["results"][0]["geometry"] == "geodesic[inv]"
-
-
-def test_measure_errors(bert_dir, tmp_path):
-    with pytest.raises(SystemExit, match="image data but"):
-        main(["measure", str(bert_dir), "--data", "digits"])
-    with pytest.raises(FileNotFoundError, match="not a Hugging Face checkpoint"):
-        main(["measure", str(tmp_path), "--data", "digits"])
-    with pytest.raises(ValueError, match="unknown measure"):
-        main(["measure", str(bert_dir), "--data", "digits", "--measures", "sharp"])
 
 
 def test_demo_quick(capsys):

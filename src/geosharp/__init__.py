@@ -5,8 +5,9 @@ attention ("Hide & Seek", da Silva, Dangel & Oore, ICML 2025), next to Euclidean
 adaptive sharpness.
 """
 
+from .errors import UsageError
 from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
-from .measures import SharpnessResult, sharpness
+from .measures import DEFAULT_RHO, MEASURES, SharpnessResult, measure_kwargs, sharpness
 from .symmetry import (
     PairSpec,
     Symmetries,
@@ -21,7 +22,9 @@ from .symmetry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_RHO",
     "GEOMETRIES",
+    "MEASURES",
     "Geometry",
     "InvMetric",
     "MixMetric",
@@ -29,9 +32,11 @@ __all__ = [
     "PerturbationSpace",
     "SharpnessResult",
     "Symmetries",
+    "UsageError",
     "check_symmetries",
     "declare_pair",
     "find_symmetries",
+    "measure_kwargs",
     "random_transforms",
     "register_handler",
     "reparameterize",

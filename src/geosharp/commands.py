@@ -1,9 +1,12 @@
-"""``geosharp measure`` and ``geosharp symmetries`` on Hugging Face checkpoints."""
+"""``geosharp measure`` and ``geosharp symmetries`` on Hugging Face checkpoints.
+
+Every argument, path and data file is checked before the model's weights are loaded;
+a problem is reported as a :class:`~geosharp.errors.UsageError` (one line, exit 2).
+"""
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -12,9 +15,31 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_measure_arguments", "add_symmetries_arguments", "run_measure", "run_symmetries"]
+from .errors import MissingInputError, UsageError
+from .options import (
+    add_autocast,
+    add_device,
+    add_json,
+    add_seed,
+    at_least_one,
+    autocast_dtype,
+    check_device,
+    check_output_path,
+    note,
+    positive_int,
+)
 
-BUILTIN_DATA = ("digits", "fashion-mnist", "rotten-tomatoes")
+__all__ = [
+    "BUILTIN_DATA",
+    "add_measure_arguments",
+    "add_symmetries_arguments",
+    "run_measure",
+    "run_symmetries",
+]
+
+BUILTIN_IMAGES = ("digits", "fashion-mnist")
+BUILTIN_DATA = (*BUILTIN_IMAGES, "rotten-tomatoes")
+DEFAULT_MEASURES = "adaptive,geodesic-inv,geodesic-mix"
 
 
 def add_measure_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,28 +47,38 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="built-in data (" + ", ".join(BUILTIN_DATA) + "), a CSV file with 'text' and "
-        "'label' columns, or a .pt file holding a dict of input tensors and 'labels'",
+        help="built-in data (" + ", ".join(BUILTIN_DATA) + "); a .csv, .tsv or .jsonl file "
+        "or a datasets save_to_disk directory (text); an image folder root/<class>/<image>; "
+        "or a .pt file holding a dict of input tensors with 'labels'",
     )
+    p.add_argument("--text-column", default="text", help="text column(s), 'a' or 'a,b' (text)")
+    p.add_argument("--label-column", default="label", help="label column (default: label)")
+    p.add_argument("--split", default="train", help="split of a datasets directory (train)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's own)")
     p.add_argument(
         "--measures",
-        default="adaptive,geodesic-inv,geodesic-mix",
+        default=DEFAULT_MEASURES,
         help="comma-separated measure names (default: %(default)s)",
     )
     p.add_argument(
         "--rho",
         default="",
-        help="radius for all measures (a number) or per measure, "
-        "e.g. 'adaptive=0.05,geodesic-mix=0.005' (default: per-measure defaults)",
+        help="radius for all measures (a number) or per measure, e.g. "
+        "'adaptive=0.05,geodesic-mix=0.005' (default: each measure's default radius)",
     )
     p.add_argument("--kind", choices=("worst", "average"), default="worst")
-    p.add_argument("--n-points", type=int, default=256, help="training points used")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--n-iters", type=int, default=20, help="Auto-PGD steps per batch")
-    p.add_argument("--max-length", type=int, default=64, help="token limit for text")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    p.add_argument("--n-points", type=positive_int, default=256, help="data points (256)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="batch size (64)")
+    p.add_argument("--n-iters", type=positive_int, default=20, help="Auto-PGD steps (20)")
+    p.add_argument(
+        "--n-samples", type=positive_int, default=10, help="random directions, --kind average"
+    )
+    p.add_argument("--max-length", type=positive_int, default=64, help="token limit (64)")
+    add_seed(p, "new classifier head, random starts and data subset")
+    add_device(p)
+    add_autocast(p)
+    add_json(p)
+    p.add_argument("--quiet", action="store_true", help="no progress reports")
 
 
 def add_symmetries_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,98 +86,200 @@ def add_symmetries_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true", help="skip the self-check")
     p.add_argument(
         "--cond",
-        type=float,
+        type=at_least_one,
         default=10.0,
-        help="condition number of the self-check's random transforms",
+        help="condition number of the self-check's random transforms (10)",
     )
 
 
-def _rho_table(spec: str, names: list[str]) -> dict[str, float]:
+def measure_names(spec: str) -> list[str]:
+    """The measures named by ``--measures``, or an error listing the known names."""
+    from .measures import MEASURES
+
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"--measures is empty: name one or more of {', '.join(MEASURES)}")
+    unknown = [n for n in names if n not in MEASURES]
+    if unknown:
+        raise UsageError(
+            f"unknown measure {unknown[0]!r} in --measures; choose from {', '.join(MEASURES)}"
+        )
+    return names
+
+
+def rho_table(spec: str, names: list[str]) -> dict[str, float]:
+    """Radius per measure from ``--rho`` (one number, or ``name=value,...``); the rest
+    take ``DEFAULT_RHO``."""
+    import math
+
     from .measures import DEFAULT_RHO
 
-    table = {n: DEFAULT_RHO.get(n, 0.05) for n in names}
-    if not spec:
+    table = {n: DEFAULT_RHO[n] for n in names}
+    if not spec.strip():
         return table
-    try:
-        if "=" not in spec:
-            return {n: float(spec) for n in names}
-        for item in spec.split(","):
-            key, value = item.split("=")
-            if key.strip() not in table:
-                raise SystemExit(f"--rho names {key!r}, which is not in --measures")
-            table[key.strip()] = float(value)
-    except ValueError:
-        raise SystemExit(f"could not read --rho {spec!r}: use 0.05 or name=0.05,...") from None
+    items = [("*", spec)] if "=" not in spec else [item.split("=", 1) for item in spec.split(",")]
+    for key, text in items:
+        key = key.strip()
+        if key != "*" and key not in table:
+            raise UsageError(f"--rho names {key!r}, which is not in --measures")
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"could not read --rho {spec!r}: use 0.05 or name=0.05,...") from None
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--rho must be positive and finite, got {text.strip()}")
+        for name in names if key == "*" else [key]:
+            table[name] = value
     return table
 
 
-def _load_batches(args, config, path: Path) -> list[dict]:
-    from . import data as datasets
-    from .hf import image_batches_for, is_vision, text_batches_for
+def data_kind(source: str) -> str:
+    """What ``--data`` names: ``builtin``, ``table``, ``datasets``, ``images`` or ``pt``."""
+    from .data import TABLE_SUFFIXES, is_datasets_dir, is_image_folder
 
-    source = args.data
-    vision = is_vision(config)
-    if source in ("digits", "fashion-mnist"):
-        if not vision:
-            raise SystemExit(f"--data {source} is image data but {args.model} is a text model")
-        images = (
-            datasets.load_digits() if source == "digits" else (datasets.load_fashion_mnist("train"))
+    if source in BUILTIN_DATA:
+        return "builtin"
+    path = Path(source)
+    if not path.exists():
+        raise MissingInputError(
+            f"--data {source}: no such file or directory (built-in: {', '.join(BUILTIN_DATA)})"
         )
-        x, y = images.images[: args.n_points], images.labels[: args.n_points]
-        return list(image_batches_for(config, x, y, args.batch_size))
-    if source == "rotten-tomatoes" or source.endswith(".csv"):
-        if vision:
-            raise SystemExit(f"--data {source} is text data but {args.model} is a vision model")
-        if source == "rotten-tomatoes":
-            text = datasets.load_rotten_tomatoes()
-            order = torch.randperm(
-                len(text.labels), generator=torch.Generator().manual_seed(args.seed)
-            )
-            texts = [text.texts[i] for i in order[: args.n_points]]
-            labels = text.labels[order[: args.n_points]]
-        else:
-            with open(source, newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f))[: args.n_points]
-            if not rows or not {"text", "label"} <= set(rows[0]):
-                raise SystemExit(f"{source} needs 'text' and 'label' columns")
-            texts = [r["text"] for r in rows]
-            labels = torch.tensor([int(r["label"]) for r in rows])
-        return list(text_batches_for(path, texts, labels, args.batch_size, args.max_length))
-    if source.endswith(".pt"):
-        tensors = torch.load(source, weights_only=True)
-        if "labels" not in tensors:
-            raise SystemExit(f"{source} must hold a dict of tensors with a 'labels' entry")
-        n = min(args.n_points, len(tensors["labels"]))
-        return [
-            {k: v[s : min(s + args.batch_size, n)] for k, v in tensors.items()}
-            for s in range(0, n, args.batch_size)
-        ]
-    raise SystemExit(
-        f"unknown --data {source!r}: use one of {', '.join(BUILTIN_DATA)}, a .csv or a .pt file"
+    if path.is_dir():
+        if is_datasets_dir(path):
+            return "datasets"
+        if is_image_folder(path):
+            return "images"
+        raise UsageError(
+            f"--data {source}: a directory must be a datasets save_to_disk directory or an "
+            "image folder root/<class>/<image>"
+        )
+    if path.suffix.lower() in TABLE_SUFFIXES:
+        return "table"
+    if path.suffix.lower() == ".pt":
+        return "pt"
+    raise UsageError(
+        f"--data {source}: unknown format {path.suffix or '(no suffix)'}; use .csv, .tsv, "
+        ".jsonl, .pt, a datasets directory or an image folder"
     )
 
 
+def load_batches(args, path: Path, config) -> list[dict]:
+    """The measurement batches of ``--data`` for the model in ``path``; labels checked
+    against the model's classes."""
+    from . import data as datasets
+    from .hf import image_batches_for, is_vision, label_ids, load_tokenizer, text_batches_for
+
+    source, n = args.data, args.n_points
+    kind = data_kind(source)
+    vision = is_vision(config)
+    classes = int(getattr(config, "num_labels", 0) or 0)
+    is_image_source = source in BUILTIN_IMAGES or kind == "images"
+    is_text_source = source == "rotten-tomatoes" or kind in ("table", "datasets")
+    if vision and is_text_source:
+        raise UsageError(f"--data {source} is text data but {args.model} is a vision model")
+    if not vision and is_image_source:
+        raise UsageError(f"--data {source} is image data but {args.model} is a text model")
+
+    if kind == "pt":
+        return _tensor_batches(source, n, args.batch_size, classes)
+    if is_image_source:
+        if kind == "images":
+            images, _ = datasets.load_image_folder(
+                source, config.image_size, config.num_channels, limit=n, seed=args.seed
+            )
+        else:
+            images = (
+                datasets.load_digits()
+                if source == "digits"
+                else datasets.load_fashion_mnist("train")
+            )
+        x, y = images.images[:n], images.labels[:n]
+        _check_label_range(y, classes)
+        return list(image_batches_for(config, x, y, args.batch_size))
+
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    if source == "rotten-tomatoes":
+        text = datasets.load_rotten_tomatoes()
+        order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
+        texts = [text.texts[i] for i in order[:n]]
+        labels = text.labels[order[:n]]
+        _check_label_range(labels, classes)
+    else:
+        rows = datasets.read_texts(
+            source, args.text_column, args.label_column, split=args.split, limit=n
+        )
+        texts, labels = rows.texts, label_ids(rows.labels, config, classes)
+    return list(text_batches_for(tokenizer, texts, labels, args.batch_size, args.max_length))
+
+
+def _check_label_range(labels: torch.Tensor, classes: int) -> None:
+    if classes and len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < classes):
+        bad = int(labels.max()) if int(labels.max()) >= classes else int(labels.min())
+        raise UsageError(
+            f"label {bad} is outside the model's {classes} classes (0 to {classes - 1}): "
+            "use the labels the model was trained with"
+        )
+
+
+def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[dict]:
+    try:
+        tensors = torch.load(source, weights_only=True)
+    except Exception as err:  # any unreadable file is the user's to fix
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--data {source}: torch.load cannot read it ({first})") from None
+    if not isinstance(tensors, dict) or not isinstance(tensors.get("labels"), torch.Tensor):
+        raise UsageError(
+            f"--data {source} must hold a dict of input tensors with a 'labels' entry "
+            f"(found {type(tensors).__name__}); save e.g. {{'pixel_values': x, 'labels': y}}"
+        )
+    labels = tensors["labels"]
+    _check_label_range(labels, classes)
+    n = min(n, len(labels))
+    return [
+        {k: v[s : min(s + batch_size, n)] for k, v in tensors.items()}
+        for s in range(0, n, batch_size)
+    ]
+
+
 def run_measure(args) -> int:
-    from .hf import classification_loss, load_classifier, resolve_checkpoint
+    from . import distributed as gd
+    from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
+    from .io import write_json_atomic
     from .measures import measure_kwargs, sharpness
     from .symmetry import find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    names = [n.strip() for n in args.measures.split(",") if n.strip()]
-    for name in names:
-        measure_kwargs(name)  # fail early on unknown names
-    rhos = _rho_table(args.rho, names)
+    # cheap checks first: arguments, paths, devices
+    names = measure_names(args.measures)
+    rhos = rho_table(args.rho, names)
+    check_output_path(args.json)
+    device = check_device(args.device)
+    data_kind(args.data)
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise MissingInputError(f"--tokenizer {args.tokenizer}: no such directory")
     path = resolve_checkpoint(args.model)
-    model, config = load_classifier(path)
-    model.to(args.device)
-    batches = _load_batches(args, config, path)
-    batches = [{k: v.to(args.device) for k, v in b.items()} for b in batches]
-    symmetries = find_symmetries(model)
+    config = load_config(path)
+    batches = load_batches(args, path, config)
+    if not batches:
+        raise UsageError(f"--data {args.data} holds no data points")
+
+    rank, world = gd.init()  # under torchrun the batches are split over the ranks
+    say = note if rank == 0 else (lambda _message: None)
+    loaded = load_classifier(path, seed=args.seed)
+    model = loaded.model.to(device)
+    if loaded.new_parameters:
+        say(
+            f"note: {args.model} has no trained classification head: "
+            f"{', '.join(loaded.new_parameters)} initialised at random (--seed {args.seed}); "
+            "the values describe that random head"
+        )
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    symmetries = find_symmetries(model, warn=False)
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
-    print(
-        f"{path}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{n_pairs} GL pairs; {len(batches)} batches of <= {args.batch_size}",
-        file=sys.stderr,
+    say(
+        f"{path}: {sum(p.numel() for p in model.parameters()):,} parameters, {n_pairs} GL "
+        f"pairs; {sum(len(b['labels']) for b in batches)} points in {len(batches)} batches "
+        f"on {device}" + (f", {world} processes" if world > 1 else "")
     )
 
     results = []
@@ -155,27 +292,40 @@ def run_measure(args) -> int:
             rho=rhos[name],
             kind=args.kind,
             n_iters=args.n_iters,
+            n_samples=args.n_samples,
             seed=args.seed,
             symmetries=symmetries,
-            progress=True,
+            progress=not args.quiet and rank == 0,
+            autocast_dtype=autocast_dtype(args.autocast),
+            distributed=world > 1,
             **measure_kwargs(name),
         )
         row = result.to_dict()
         row.update(measure=name, seconds=time.perf_counter() - start)
         results.append(row)
+    if rank != 0:
+        return 0
 
-    print(f"\n{'measure':<28} {'rho':>8} {'sharpness':>12} {'loss':>9} {'time':>7}")
+    table = sys.stderr if args.json == "-" else sys.stdout
+    print(f"{'measure':<28} {'rho':>8} {'sharpness':>12} {'loss':>9} {'time':>7}", file=table)
     for r in results:
         print(
             f"{r['measure']:<28} {r['rho']:>8g} {r['value']:>12.5g} {r['loss']:>9.4g} "
-            f"{r['seconds']:>6.1f}s"
+            f"{r['seconds']:>6.1f}s",
+            file=table,
         )
     if args.json:
-        payload = json.dumps({"model": str(path), "data": args.data, "results": results}, indent=2)
+        payload = {
+            "model": str(path),
+            "data": args.data,
+            "seed": args.seed,
+            "new_parameters": loaded.new_parameters,
+            "results": results,
+        }
         if args.json == "-":
-            print(payload)
+            print(json.dumps(payload, indent=2))
         else:
-            Path(args.json).write_text(payload)
+            write_json_atomic(args.json, payload)
     return 0
 
 

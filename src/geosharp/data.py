@@ -22,10 +22,16 @@ from torch import Tensor
 
 __all__ = [
     "ImageData",
+    "LabelledTexts",
     "TextData",
+    "is_datasets_dir",
+    "is_image_folder",
     "load_digits",
     "load_fashion_mnist",
+    "load_image_folder",
     "load_rotten_tomatoes",
+    "move_batch",
+    "read_texts",
 ]
 
 FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
@@ -115,3 +121,178 @@ def load_rotten_tomatoes(path: str | Path | None = None) -> TextData:
                 texts.append(row["text"])
                 labels.append(int(row["category"] == "fresh"))
     return TextData(texts, torch.tensor(labels, dtype=torch.long), 2)
+
+
+# --------------------------------------------------------------------------- user data
+
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+
+
+@dataclass
+class LabelledTexts:
+    """Texts with their labels as written in the file (ints or class names)."""
+
+    texts: list[str]
+    labels: list[object]
+
+
+def is_datasets_dir(path: str | Path) -> bool:
+    """Whether ``path`` was written by ``datasets``' ``save_to_disk``."""
+    path = Path(path)
+    return path.is_dir() and any(
+        (path / name).exists() for name in ("dataset_dict.json", "state.json", "dataset_info.json")
+    )
+
+
+def is_image_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a directory of class sub-directories holding images."""
+    path = Path(path)
+    return path.is_dir() and any(
+        f.suffix.lower() in IMAGE_SUFFIXES
+        for d in path.iterdir()
+        if d.is_dir()
+        for f in d.iterdir()
+    )
+
+
+def read_texts(
+    path: str | Path,
+    text_column: str = "text",
+    label_column: str = "label",
+    split: str = "train",
+    limit: int | None = None,
+) -> LabelledTexts:
+    """Labelled texts from a CSV/TSV file, JSON lines, or a Hugging Face ``datasets``
+    directory (``save_to_disk``; ``split`` picks one split of a ``DatasetDict``).
+
+    ``text_column`` may name two columns joined by a comma (``premise,hypothesis``):
+    the texts are then pairs, tokenised as sentence pairs. Only the first ``limit`` rows
+    are read."""
+    from .errors import MissingInputError, UsageError
+
+    path = Path(path)
+    if not path.exists():
+        raise MissingInputError(f"data not found: {path}")
+    columns = [c.strip() for c in text_column.split(",") if c.strip()]
+    if not 1 <= len(columns) <= 2:
+        raise UsageError(f"--text-column {text_column!r}: give one column or two (a,b)")
+    if is_datasets_dir(path):
+        rows = _datasets_rows(path, split, limit)
+    elif path.suffix.lower() in (".csv", ".tsv"):
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+            rows = [r for _, r in zip(range(limit if limit is not None else 1 << 62), reader)]
+    elif path.suffix.lower() in (".jsonl", ".json"):
+        rows = _json_lines(path, limit)
+    else:
+        raise UsageError(
+            f"cannot read {path}: text data must be a .csv, .tsv or .jsonl file or a "
+            "directory written by datasets' save_to_disk"
+        )
+    if not rows:
+        raise UsageError(f"{path} holds no rows")
+    missing = [c for c in [*columns, label_column] if c not in rows[0]]
+    if missing:
+        raise UsageError(
+            f"{path} has no column {', '.join(map(repr, missing))} (columns: "
+            f"{', '.join(map(str, rows[0]))}): name them with --text-column/--label-column"
+        )
+    texts = [
+        str(r[columns[0]]) if len(columns) == 1 else (str(r[columns[0]]), str(r[columns[1]]))
+        for r in rows
+    ]
+    return LabelledTexts(texts, [r[label_column] for r in rows])
+
+
+def _json_lines(path: Path, limit: int | None) -> list[dict]:
+    import json
+
+    from .errors import UsageError
+
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UsageError(
+                    f"{path}, line {number}: not a JSON object (expected one object per line)"
+                ) from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{path}, line {number}: expected a JSON object, one per line")
+            rows.append(row)
+    return rows
+
+
+def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
+    from .errors import UsageError
+
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(
+            f"{path} is a Hugging Face datasets directory: pip install datasets to read it"
+        ) from None
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise UsageError(
+                f"{path} has splits {', '.join(data)}, not {split!r}: choose one with --split"
+            )
+        data = data[split]
+    n = len(data) if limit is None else min(limit, len(data))
+    return [data[i] for i in range(n)]
+
+
+def load_image_folder(
+    root: str | Path, size: int, channels: int, limit: int | None = None, seed: int = 0
+) -> tuple[ImageData, list[str]]:
+    """Images from ``root/<class>/<image>`` (classes in sorted order), resized to
+    ``size x size`` with ``channels`` channels, in [0, 1]; and the class names. With
+    ``limit``, a seeded random subset of that many images."""
+    from PIL import Image
+
+    from .errors import UsageError
+
+    root = Path(root)
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    items = [
+        (f, c)
+        for c, name in enumerate(classes)
+        for f in sorted((root / name).iterdir())
+        if f.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    if not items:
+        raise UsageError(f"{root} has no images in class sub-directories (root/<class>/<image>)")
+    if limit is not None and limit < len(items):
+        keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
+        items = [items[int(i)] for i in sorted(keep.tolist())]
+    mode = {1: "L", 3: "RGB"}.get(channels)
+    if mode is None:
+        raise UsageError(f"image folders need a model with 1 or 3 input channels, not {channels}")
+    pixels = []
+    for f, _ in items:
+        with Image.open(f) as image:
+            image = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+            array = np.asarray(image, dtype=np.float32).reshape(size, size, channels)
+        pixels.append(torch.from_numpy(array.copy()).permute(2, 0, 1) / 255.0)
+    labels = torch.tensor([c for _, c in items], dtype=torch.long)
+    return ImageData(torch.stack(pixels), labels, len(classes)), classes
+
+
+def move_batch(batch, device: torch.device | str | None):
+    """``batch`` (a tensor, or a dict/tuple/list of them) on ``device`` (None: as is)."""
+    if device is None:
+        return batch
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_batch(v, device) for v in batch)
+    return batch

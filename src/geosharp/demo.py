@@ -12,14 +12,13 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
 
 from .data import load_digits
-from .measures import sharpness
+from .io import write_json_atomic
+from .measures import DEFAULT_RHO, measure_kwargs, sharpness
 from .models.vit import (
     accuracy_and_loss,
     image_batches,
@@ -31,13 +30,13 @@ from .symmetry import check_symmetries, find_symmetries, reparameterize
 
 __all__ = ["DEMO_MEASURES", "run_demo"]
 
-# (label, geometry, metric, rho): radii of different geometries mean different things
-# (MATH.md section 2): adaptive and inv are relative, mix and Euclidean absolute.
+# (label, measure name): each at its default radius (DEFAULT_RHO); radii of different
+# geometries mean different things (MATH.md section 2).
 DEMO_MEASURES = (
-    ("euclidean", "euclidean", "inv", 0.05),
-    ("adaptive", "adaptive", "inv", 0.05),
-    ("geodesic inv", "geodesic", "inv", 0.05),
-    ("geodesic mix", "geodesic", "mix", 0.005),
+    ("euclidean", "euclidean"),
+    ("adaptive", "adaptive"),
+    ("geodesic inv", "geodesic-inv"),
+    ("geodesic mix", "geodesic-mix"),
 )
 
 
@@ -92,15 +91,14 @@ def run_demo(
 
     batches = list(image_batches(train.images[:1024], train.labels[:1024], 256))
     rows = []
-    for label, geometry, metric, rho in DEMO_MEASURES:
-        values = []
+    for label, name in DEMO_MEASURES:
+        values, rho = [], DEFAULT_RHO[name]
         for net in (model, twin):
             result = sharpness(
                 net,
                 batches,
                 image_loss,
-                geometry=geometry,
-                metric=metric,
+                **measure_kwargs(name),
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,
@@ -150,7 +148,7 @@ def run_demo(
             output_change=output_change,
             measures=rows,
         )
-        Path(json_path).write_text(json.dumps(payload, indent=2))
+        write_json_atomic(json_path, payload)
     return 0
 
 

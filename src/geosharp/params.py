@@ -68,17 +68,19 @@ class _LossModule(nn.Module):
 
 
 def functional_loss(
-    model: nn.Module, loss_fn: LossFunction
+    model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
 ) -> Callable[[Mapping[str, Tensor], object], Tensor]:
     """Return ``f(params, batch)``: the loss with ``params`` swapped into ``model``.
 
     ``params`` maps parameter names of ``model`` to tensors; parameters not named keep
-    their values. The model is left untouched, also when ``loss_fn`` raises.
+    their values, or take the ones in ``base`` (parameters and buffers, e.g. float32
+    copies). The model is left untouched, also when ``loss_fn`` raises.
     """
     wrapper = _LossModule(model, loss_fn)
+    fixed = {f"model.{k}": v for k, v in (base or {}).items()}
 
     def evaluate(params: Mapping[str, Tensor], batch: object) -> Tensor:
-        prefixed = {f"model.{k}": v for k, v in params.items()}
+        prefixed = {**fixed, **{f"model.{k}": v for k, v in params.items()}}
         return torch.func.functional_call(wrapper, prefixed, (batch,), strict=False)
 
     return evaluate

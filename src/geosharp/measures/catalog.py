@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_RHO", "MEASURES", "measure_kwargs"]
+__all__ = ["DEFAULT_RHO", "MEASURES", "default_rho", "measure_kwargs", "measure_name"]
 
 # name -> keyword arguments of `sharpness`
 MEASURES: dict[str, dict] = {
@@ -42,3 +42,31 @@ def measure_kwargs(name: str) -> dict:
         return dict(MEASURES[name])
     except KeyError:
         raise ValueError(f"unknown measure {name!r}; choose from: {', '.join(MEASURES)}") from None
+
+
+def measure_name(geometry: str, metric: str = "inv", p: float = 2.0) -> str:
+    """The table's name of a :func:`geosharp.sharpness` configuration.
+
+    >>> measure_name("geodesic", "mix"), measure_name("adaptive", p=float("inf"))
+    ('geodesic-mix', 'adaptive-linf')
+    """
+    for name, kwargs in MEASURES.items():
+        if (
+            kwargs["geometry"] == geometry
+            and kwargs.get("metric", metric) == metric
+            and kwargs.get("p", 2.0) == p
+        ):
+            return name
+    raise ValueError(
+        f"no named measure has geometry={geometry!r}, metric={metric!r}, p={p}; "
+        f"choose from: {', '.join(MEASURES)}"
+    )
+
+
+def default_rho(geometry: str, metric: str = "inv", p: float = 2.0) -> float:
+    """The default radius of a configuration (``DEFAULT_RHO`` of its name).
+
+    >>> default_rho("geodesic", "mix"), default_rho("adaptive")
+    (0.005, 0.05)
+    """
+    return DEFAULT_RHO[measure_name(geometry, metric, p)]

@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..errors import real_number
 from ..geometry.space import Geometry, PerturbationSpace
 from ..params import LossFunction, ParameterLayout, evaluation_mode, functional_loss
+from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, auto_pgd
@@ -75,7 +77,7 @@ def sharpness(
     loss_fn: LossFunction,
     geometry: str = "geodesic",
     metric: str = "inv",
-    rho: float = 0.1,
+    rho: float | None = None,
     kind: str = "worst",
     n_iters: int = 20,
     n_samples: int = 10,
@@ -104,7 +106,8 @@ def sharpness(
             ``"geodesic-norm-only"`` or ``"geodesic-curvature-only"``.
         metric: pair metric of the geodesic geometries, ``"inv"`` or ``"mix"``.
         rho: radius of the ball (relative for adaptive/``inv``, absolute for ``mix``
-            and Euclidean).
+            and Euclidean); a Python, NumPy or 0-d torch number. Default: the measure's
+            default radius, ``geosharp.measures.DEFAULT_RHO`` (the same in the CLI).
         kind: ``"worst"`` (Auto-PGD) or ``"average"`` (random directions).
         n_iters: Auto-PGD steps per batch (worst case).
         n_samples: random directions per batch (average case).
@@ -131,16 +134,25 @@ def sharpness(
             the full result, identical to a single-process run (see
             :mod:`geosharp.distributed`).
 
+    Half-precision (``bfloat16``/``float16``) models are measured in float32: a
+    relative perturbation of ``rho`` spread over all weights is far below their
+    resolution and would round away (sharpness exactly 0). The perturbation and the
+    forward/backward then run on float32 copies of the weights (the model itself is
+    not touched); pass ``autocast_dtype`` to run the matrix products in half precision.
+
     Batch ``i`` draws its random start or directions from its own generator (seeded
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
     batch's value does not depend on which process measures it.
     """
-    _check_arguments(rho, kind, n_iters, n_samples)
+    from .catalog import default_rho
+
+    _check_arguments(kind, n_iters, n_samples)
     if autocast_dtype not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
     geo = Geometry.named(geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step)
+    rho = _checked_rho(default_rho(geometry, metric, p) if rho is None else rho)
     rank, world = _process_group(distributed)
     named = _perturbed_parameters(model, parameters)
     if symmetries is None:
@@ -148,6 +160,9 @@ def sharpness(
     pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
     layout = ParameterLayout.from_named(named)
     theta = layout.flatten({n: t.detach() for n, t in named})
+    upcast = theta.dtype in (torch.float16, torch.bfloat16)
+    if upcast:
+        theta = theta.float()
     settings = dict(
         metric=metric if geo.metric is not None else None,
         n_iters=n_iters,
@@ -159,13 +174,16 @@ def sharpness(
         elementwise_step=elementwise_step,
         n_pairs=len(pairs),
         autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
+        dtype=str(theta.dtype).removeprefix("torch."),
     )
     autocast = _autocast(theta.device, autocast_dtype)
 
     records = []  # (batch index, value, unperturbed loss, trace)
     with evaluation_mode(model):
         space = PerturbationSpace(theta, layout, pairs, geo)
-        evaluate = functional_loss(model, loss_fn)
+        evaluate = functional_loss(
+            model, loss_fn, _float32_copies(model, named) if upcast else None
+        )
         fast = not geo.exp_elementwise
         for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name):
             if index % world != rank:
@@ -227,9 +245,14 @@ def sharpness(
     )
 
 
-def _check_arguments(rho: float, kind: str, n_iters: int, n_samples: int) -> None:
-    if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
+def _checked_rho(rho: object) -> float:
+    number = real_number(rho, "rho")
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(f"rho must be a positive finite number, got {rho!r}")
+    return number
+
+
+def _check_arguments(kind: str, n_iters: int, n_samples: int) -> None:
     if kind not in ("worst", "average"):
         raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
     if n_iters < 1:
@@ -254,6 +277,14 @@ def _perturbed_parameters(
                 "which to perturb"
             )
         return chosen
+    if isinstance(names, str):
+        raise TypeError(f"parameters must be a list of names, got the string {names!r}")
+    names = list(names)
+    if not names:
+        raise ValueError(
+            "parameters=[] names no parameter to perturb: give at least one name, or "
+            "parameters=None for all that require grad"
+        )
     known = dict(named)
     missing = [n for n in names if n not in known]
     if missing:
@@ -267,15 +298,10 @@ def _limited(batches: Iterable, limit: int | None, progress: bool, label: str):
             "`batches` must be an iterable of batches (e.g. a DataLoader or a list); "
             "wrap a single batch in a list: [batch]"
         )
-    iterator = iter(batches)
-    if progress:
-        from tqdm.auto import tqdm
-
-        total = limit
-        if total is None and hasattr(batches, "__len__"):
-            total = len(batches)  # type: ignore[arg-type]
-        bar = tqdm(iterator, total=total, desc=label, unit="batch", leave=False, disable=None)
-        iterator = iter(bar)
+    total = limit
+    if hasattr(batches, "__len__"):
+        total = len(batches) if limit is None else min(limit, len(batches))  # type: ignore[arg-type]
+    iterator = iter(Progress(batches, total=total, desc=label, unit="batch", enabled=progress))
     for i, batch in enumerate(iterator):
         if limit is not None and i >= limit:
             break
@@ -324,6 +350,7 @@ class _Objective:
         with self.autocast():
             loss = self.evaluate(leaves, self.batch)
         loss = _scalar(loss)
+        _require_grad(loss)
         loss.backward(inputs=list(leaves.values()))
         del leaves
         return _value(loss), self.space.pullback_(xi, grad)
@@ -338,6 +365,7 @@ def _objective(space: PerturbationSpace, evaluate, layout: ParameterLayout, batc
         with autocast():
             loss = evaluate(layout.unflatten(space.retr(xi)), batch)
         loss = _scalar(loss)
+        _require_grad(loss)
         (grad,) = torch.autograd.grad(loss, xi)
         return _value(loss), grad
 
@@ -350,6 +378,27 @@ def _scalar(loss: object) -> Tensor:
     if loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar")
     return loss.reshape(())
+
+
+def _require_grad(loss: Tensor) -> None:
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on the perturbed parameters (it does not require "
+            "grad): compute it from the model's output inside loss_fn, without "
+            "torch.no_grad(), .detach() or .item()"
+        )
+
+
+def _float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """float32 copies of the model's half-precision parameters and buffers that are not
+    perturbed, swapped in beside the float32 perturbed point."""
+    skip = {n for n, _ in perturbed}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {
+        n: t.detach().float()
+        for n, t in tensors
+        if n not in skip and t.dtype in (torch.float16, torch.bfloat16)
+    }
 
 
 def _value(loss: Tensor) -> Tensor:

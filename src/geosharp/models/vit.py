@@ -74,11 +74,9 @@ def train_image_classifier(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps = epochs * ((len(labels) + batch_size - 1) // batch_size)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
-    epochs_iter = range(epochs)
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import Progress
 
-        epochs_iter = tqdm(epochs_iter, desc="training", unit="epoch", leave=False, disable=None)
+    epochs_iter = Progress(range(epochs), desc="training", unit="epoch", enabled=progress)
     model.train()
     for epoch in epochs_iter:
         for batch in image_batches(images, labels, batch_size, shuffle=True, seed=seed + epoch):

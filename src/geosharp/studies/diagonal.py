@@ -71,8 +71,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..distributed import write_json_atomic
 from ..geometry.space import Geometry, PerturbationSpace
+from ..io import write_json_atomic
 from ..measures.apgd import auto_pgd
 from ..models.diagonal import (
     DiagonalNet,
@@ -81,10 +81,11 @@ from ..models.diagonal import (
     geodesic_sharpness_mix,
     squared_loss,
 )
+from ..options import Parser, add_seed
 from ..params import ParameterLayout, functional_loss
 from ..symmetry.discovery import find_symmetries
+from .figures import require_matplotlib, save_png
 from .stats import kendall_tau, kendall_tau_with_ci
-from .toy import require_matplotlib, save_png
 
 __all__ = [
     "MEASURES",
@@ -277,11 +278,9 @@ def train_diagonal_networks(
     generator = torch.Generator().manual_seed(seed)
     arange = torch.arange(n)
     idx = torch.arange(K)  # networks still training
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import Progress
 
-        bar = tqdm(total=K, desc="training diagonal nets", unit="net", leave=False)
+    bar = Progress(total=K, desc="training diagonal nets", unit="net", enabled=progress)
     initial = 0.5 * float((yt * yt).mean())
     step = 0
     while idx.numel() and step < max_steps:
@@ -298,8 +297,7 @@ def train_diagonal_networks(
             continue
         finished = cur <= target_loss
         if bool(finished.any()):
-            if bar is not None:
-                bar.update(int(finished.sum()))
+            bar.update(int(finished.sum()))
             keep = ~finished
             idx, u, v, R = idx[keep], u[keep], v[keep], R[keep]
             if not idx.numel():
@@ -316,8 +314,7 @@ def train_diagonal_networks(
         V[idx] = v - step_size * grad_beta * u
         steps[idx] += 1
         step += 1
-    if bar is not None:
-        bar.close()
+    bar.close()
     R = (U * V) @ Xt.T - yt
     loss = 0.5 * (R * R).mean(1)
     return TrainedNetworks(
@@ -457,11 +454,11 @@ def run_study(
 
     measure_start = time.perf_counter()
     records = []
-    iterator = range(config.n_networks)
-    if progress:
-        from tqdm.auto import tqdm
+    from ..progress import Progress
 
-        iterator = tqdm(iterator, desc="measuring sharpness", unit="net", leave=False)
+    iterator = Progress(
+        range(config.n_networks), desc="measuring sharpness", unit="net", enabled=progress
+    )
     for i in iterator:
         values = measure_network(problem, trained.u[i], trained.v[i], config, seed=config.seed + i)
         record = {
@@ -702,13 +699,20 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+DESCRIPTION = (
+    "Diagonal linear networks: Kendall tau between worst-case sharpness (adaptive, geodesic "
+    "inv, geodesic mix) and the generalization gap (paper's section 6.1, Figure 3)."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="geosharp study diagonal",
-        description="Diagonal linear networks: Kendall tau between worst-case sharpness "
-        "(adaptive, geodesic inv, geodesic mix) and the generalization gap "
-        "(paper's section 6.1, Figure 3).",
-    )
+    parser = Parser(prog="geosharp study diagonal", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study's command-line options (``geosharp study diagonal --help``)."""
     parser.add_argument(
         "--out",
         default="runs/diagonal",
@@ -717,7 +721,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--figures", default=None, help="directory for the PNG figures (default: --out)"
     )
-    parser.add_argument("--seed", type=int, help="seed of data, hyperparameters and SGD (0)")
+    add_seed(parser, "data, hyperparameters and SGD")
     parser.add_argument("--networks", type=int, help="number of networks (50)")
     parser.add_argument(
         "--rho", type=float, help="radius of adaptive and geodesic-inv sharpness, relative (0.1)"
@@ -764,12 +768,17 @@ def _parser() -> argparse.ArgumentParser:
         "--replot", action="store_true", help="only redraw the figures from the CSV/JSON in --out"
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the figures")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
+    parser.add_argument("--quiet", action="store_true", help="no progress reports")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    return run(_parser().parse_args(list(argv) if argv is not None else None))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the study for parsed options (matplotlib is checked before any work)."""
+    if not args.no_plots:
+        require_matplotlib()
     if args.replot:
         for path in replot(args.out, args.figures, args.name):
             print(f"wrote {path}")

@@ -311,43 +311,52 @@ def read_gaps(path: str | Path) -> dict[str, float]:
         return {r["checkpoint"]: float(r["gap"]) for r in csv.DictReader(f)}
 
 
+def _load(args, ckpt: Path, rows):
+    """Model, measurement batches and loss of one checkpoint."""
+    from ..hf import classification_loss
+
+    if args.setting == "clip":
+        model = load_clip_finetune(ckpt, config=args.config)
+        size = model.vision.config.image_size
+        batches = list(
+            imagenet_batches(args.data, args.batch_size, args.n_points, size=size, seed=args.seed)
+        )
+        loss_fn = clip_loss
+    else:
+        model = load_bert_mnli(ckpt)
+        batches = mnli_batches(ckpt, rows, args.batch_size, args.n_points)
+        loss_fn = classification_loss
+    return model, batches, loss_fn
+
+
 def run_paper(args) -> dict:
     """Measure every checkpoint (this rank's share of them under ``torchrun``), then,
     on rank 0 once all are done, read every record back and write ``summary.json``."""
-    from tqdm.auto import tqdm
-
     from .. import distributed as gd
-    from ..distributed import write_json_atomic
-    from ..hf import classification_loss
+    from ..data import move_batch
+    from ..errors import MissingInputError
+    from ..hf import quiet_transformers
+    from ..io import write_json_atomic
+    from ..options import autocast_dtype, check_device
+    from ..progress import Progress
     from .stats import kendall_tau_with_ci
-    from .zoo import move_batch
 
     out = Path(args.out)
     checkpoints = list_checkpoints(args.checkpoints)
     if not checkpoints:
-        raise FileNotFoundError(f"no checkpoints under {args.checkpoints}")
+        raise MissingInputError(
+            f"no checkpoints under {args.checkpoints} (sub-directories with config.json, "
+            "or *.pt files)"
+        )
     rank, _ = gd.init()  # under torchrun every rank takes its share of the checkpoints
-    device = gd.device(args.device)
-    autocast = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+    device = check_device(args.device)
+    autocast = autocast_dtype(args.autocast)
     rows = read_mnli(args.data) if args.setting == "bert" else None
     mine = [checkpoints[i] for i in gd.shard(len(checkpoints))]
-    bar = tqdm(
-        mine, desc=f"measure {args.setting}", unit="model", disable=None if rank == 0 else True
-    )
+    bar = Progress(mine, desc=f"measure {args.setting}", unit="model", enabled=rank == 0)
     for ckpt in bar:
-        if args.setting == "clip":
-            model = load_clip_finetune(ckpt, config=args.config)
-            size = model.vision.config.image_size
-            batches = list(
-                imagenet_batches(
-                    args.data, args.batch_size, args.n_points, size=size, seed=args.seed
-                )
-            )
-            loss_fn = clip_loss
-        else:
-            model = load_bert_mnli(ckpt)
-            batches = mnli_batches(ckpt, rows, args.batch_size, args.n_points)
-            loss_fn = classification_loss
+        with quiet_transformers():  # no load reports or bars
+            model, batches, loss_fn = _load(args, ckpt, rows)
         _measure_checkpoint(
             model.to(device),
             [move_batch(b, device) for b in batches],
@@ -379,45 +388,64 @@ def run_paper(args) -> dict:
     return summary
 
 
-def _parser():
-    import argparse
+DESCRIPTION = (
+    "Sharpness of paper-scale fine-tunes (CLIP on ImageNet, BERT on MNLI) from local paths."
+)
 
+
+def add_arguments(p) -> None:
+    """The driver's command-line options (``geosharp study paper --help``)."""
+    from ..measures import MEASURES
+    from ..options import add_autocast, add_device, add_seed, positive_float, positive_int
     from .zoo import ALL_MEASURES
 
-    p = argparse.ArgumentParser(
-        prog="geosharp study paper",
-        description="sharpness of paper-scale fine-tunes (CLIP on ImageNet, BERT on MNLI) "
-        "from local paths",
-    )
     p.add_argument("setting", choices=("clip", "bert"))
     p.add_argument("--checkpoints", required=True, help="directory of fine-tunes")
     p.add_argument("--data", required=True, help="ImageNet folder (clip) or MNLI TSV/JSONL (bert)")
     p.add_argument("--config", help="CLIPVisionConfig directory for model-soups .pt files")
     p.add_argument("--gaps", help="CSV with columns checkpoint,gap for the Kendall taus")
-    p.add_argument("--out", default="runs/paper")
-    p.add_argument("--n-points", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--n-iters", type=int, default=20)
-    p.add_argument("--measures", nargs="+", default=list(ALL_MEASURES))
-    p.add_argument("--rho-factors", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
-    p.add_argument("--n-boot", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/paper", help="results directory (runs/paper)")
+    p.add_argument("--n-points", type=positive_int, default=256, help="data points (256)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="batch size (64)")
+    p.add_argument("--n-iters", type=positive_int, default=20, help="Auto-PGD steps (20)")
     p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu, cuda, cuda:1, ... (default: this rank's GPU, else cpu)",
+        "--measures", nargs="+", choices=list(MEASURES), default=list(ALL_MEASURES), metavar="M"
     )
     p.add_argument(
-        "--autocast",
-        choices=("none", "bf16", "fp16"),
-        default="none",
-        help="forward/backward under autocast (the geometry stays in float32)",
+        "--rho-factors",
+        nargs="+",
+        type=positive_float,
+        default=[0.25, 0.5, 1.0, 2.0, 4.0],
+        help="radii as multiples of each measure's default (0.25 0.5 1 2 4)",
     )
+    p.add_argument("--n-boot", type=positive_int, default=1000, help="bootstrap resamples")
+    add_seed(p, "data subset and random starts")
+    add_device(p)
+    add_autocast(p)
+
+
+def _parser():
+    from ..options import Parser
+
+    p = Parser(prog="geosharp study paper", description=DESCRIPTION)
+    add_arguments(p)
     return p
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    return run(_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Run the driver for parsed options; paths and the device are checked first."""
+    from ..errors import MissingInputError
+    from ..options import check_device
+
+    check_device(args.device)
+    for option in ("checkpoints", "data", "gaps", "config"):
+        value = getattr(args, option)
+        if value is not None and not Path(value).exists():
+            raise MissingInputError(f"--{option} {value}: no such file or directory")
     summary = run_paper(args)
     print(
         json.dumps(summary["taus"], indent=1)

@@ -36,6 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..options import positive_float
+from .figures import require_matplotlib, save_png
+
 __all__ = [
     "christoffel",
     "euclidean_grad_norm",
@@ -49,10 +52,8 @@ __all__ = [
     "numerical_geodesic",
     "numerical_riemannian_hessian",
     "orbit_variation",
-    "require_matplotlib",
     "riemannian_grad_norm",
     "riemannian_hessian_trace",
-    "save_png",
 ]
 
 
@@ -319,34 +320,6 @@ def plot_toy(
     plt.close(fig)
 
 
-def require_matplotlib():
-    """Import matplotlib with the Agg backend, or explain how to install it."""
-    try:
-        import matplotlib
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the study's figures need matplotlib: pip install 'geosharp[plots]' "
-            "(or run the diagonal study with --no-plots)"
-        ) from error
-    matplotlib.use("Agg")
-    return matplotlib
-
-
-def save_png(fig, path: Path, dpi: int = 100) -> Path:
-    """Save ``fig`` as a palette PNG (256 colours, via Pillow, which matplotlib ships
-    with): plots of filled contours stay well under 300 KB."""
-    import io
-
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=dpi, format="png")
-    buffer.seek(0)
-    with Image.open(buffer) as image:
-        image.convert("RGB").quantize(colors=256).save(path, optimize=True)
-    return Path(path)
-
-
 def _levels(Z: np.ndarray) -> np.ndarray:
     """Levels at quantiles of ``Z`` over the plotted square (every band covers a similar
     area, so the structure near the valley stays visible next to the large corners)."""
@@ -388,18 +361,32 @@ def _draw_geodesics(ax, U, V, x: float, y: float) -> None:
     ax.tick_params(labelsize=7)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="geosharp study toy",
-        description="Scalar toy model of the paper's appendix D: level sets of the loss, "
-        "the Euclidean and Riemannian gradient norms and Hessian traces (Figures 1, 6).",
-    )
+DESCRIPTION = (
+    "Scalar toy model of the paper's appendix D: level sets of the loss, the Euclidean and "
+    "Riemannian gradient norms and Hessian traces (Figures 1, 6)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study's command-line options (``geosharp study toy --help``)."""
     parser.add_argument("--out", default="runs/toy", help="directory for toy_checks.json")
     parser.add_argument("--figures", default=None, help="directory for the PNGs (default --out)")
     parser.add_argument("--x", type=float, default=1.0, help="the data point's input (1)")
     parser.add_argument("--y", type=float, default=1.0, help="the data point's label (1)")
-    parser.add_argument("--lim", type=float, default=2.0, help="plot [-lim, lim]^2 (2)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    parser.add_argument("--lim", type=positive_float, default=2.0, help="plot [-lim, lim]^2 (2)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..options import Parser
+
+    parser = Parser(prog="geosharp study toy", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(list(argv) if argv is not None else None))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the study for parsed options (matplotlib is checked before any work)."""
+    require_matplotlib()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fig_dir = Path(args.figures) if args.figures else out

@@ -38,7 +38,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .. import distributed as gd
-from ..distributed import write_json_atomic
+from ..data import move_batch
+from ..io import write_json_atomic, write_text_atomic
+from .figures import require_matplotlib
 
 __all__ = [
     "PRESETS",
@@ -226,16 +228,6 @@ def sample_hyperparameters(preset: ZooPreset) -> list[dict]:
     return out
 
 
-# --------------------------------------------------------------------------- atomic I/O
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- data
 
 
@@ -344,19 +336,6 @@ def text_train_set(hp: dict) -> tuple[Tensor, Tensor, Tensor]:
     return ids[:n], mask[:n], noisy
 
 
-def move_batch(batch, device: torch.device | str | None):
-    """``batch`` (a tensor, or a dict/tuple/list of them) on ``device`` (None: as is)."""
-    if device is None:
-        return batch
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: move_batch(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_batch(v, device) for v in batch)
-    return batch
-
-
 def _text_batch(ids, mask, labels, idx=None) -> dict:
     if idx is not None:
         ids, mask, labels = ids[idx], mask[idx], labels[idx]
@@ -384,13 +363,10 @@ def build_model(hp: dict, zoo: str):
             seed=int(hp["seed"]),
         )
     from transformers import BertModel
-    from transformers.utils import logging as hf_logging
 
-    from ..hf import resolve_checkpoint
+    from ..hf import quiet_transformers, resolve_checkpoint
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    with torch.random.fork_rng(devices=[]):
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(hp["seed"]))
         bert = BertModel.from_pretrained(
             resolve_checkpoint("minilm"),
@@ -400,7 +376,6 @@ def build_model(hp: dict, zoo: str):
             attention_probs_dropout_prob=0.0,
         )
         model = MeanPoolClassifier(bert, num_labels=2)
-    hf_logging.set_verbosity(verbosity)
     n_layers = int(hp["layers"])
     model.bert.encoder.layer = model.bert.encoder.layer[:n_layers]
     model.config.num_hidden_layers = n_layers
@@ -445,7 +420,12 @@ def load_zoo_model(model_dir: Path, zoo: str):
     if zoo == "vision":
         from transformers import ViTForImageClassification
 
-        return ViTForImageClassification.from_pretrained(model_dir, local_files_only=True).eval()
+        from ..hf import quiet_transformers
+
+        with quiet_transformers():
+            return ViTForImageClassification.from_pretrained(
+                model_dir, local_files_only=True
+            ).eval()
     return MeanPoolClassifier.load(Path(model_dir)).eval()
 
 
@@ -586,8 +566,9 @@ def train_zoo(
 
     A model directory is complete once its ``meta.json`` exists; it is built in a
     temporary sibling directory and moved into place with ``os.replace``."""
-    from tqdm.auto import tqdm
+    from ..progress import Progress
 
+    check_preset(preset, out)
     root = _zoo_dir(out, preset) / "models"
     root.mkdir(parents=True, exist_ok=True)
     if gd.rank_and_world()[0] == 0:
@@ -596,7 +577,7 @@ def train_zoo(
     hps = _my_share(
         [hp for hp in sample_hyperparameters(preset) if not _model_complete(root / hp["id"])]
     )
-    bar = tqdm(hps, desc=f"train {preset.zoo}", unit="model", disable=not progress or None)
+    bar = Progress(hps, desc=f"train {preset.zoo}", unit="model", enabled=progress)
     for hp in bar:
         final = root / hp["id"]
         start = time.time()
@@ -643,7 +624,7 @@ def measure_zoo(
 
     ``measures/<id>.json`` is rewritten atomically after each (measure, radius), so a
     killed run loses at most one of them, and is marked ``complete`` at the end."""
-    from tqdm.auto import tqdm
+    from ..progress import Progress
 
     zdir = _zoo_dir(out, preset)
     mdir = zdir / "measures"
@@ -657,7 +638,7 @@ def measure_zoo(
             and not read_json(mdir / f"{hp['id']}.json").get("complete")
         ]
     )
-    bar = tqdm(hps, desc=f"measure {preset.zoo}", unit="model", disable=not progress or None)
+    bar = Progress(hps, desc=f"measure {preset.zoo}", unit="model", enabled=progress)
     for hp in bar:
         path = mdir / f"{hp['id']}.json"
         record = read_json(path)
@@ -1023,9 +1004,7 @@ def write_scatter(
 ) -> Path:
     """Measure vs error gap for adaptive, geodesic inv and mix (paper's Figures 4, 5);
     points coloured by the models' label noise."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require_matplotlib()
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
@@ -1076,8 +1055,8 @@ def report_zoo(preset: ZooPreset, out: str | Path, target: float | None = None) 
         for sel in ("best", "calibrated")
     ]
     write_json_atomic(rdir / "summary.json", summary)
-    _write_text_atomic(rdir / "models.csv", models_table(preset, metas, records))
-    _write_text_atomic(rdir / "report.md", format_report(summary, [str(f) for f in figures]))
+    write_text_atomic(rdir / "models.csv", models_table(preset, metas, records))
+    write_text_atomic(rdir / "report.md", format_report(summary, [str(f) for f in figures]))
     return summary
 
 
@@ -1104,41 +1083,85 @@ def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> s
 # --------------------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="geosharp zoo", description="model zoos: train, measure, report"
-    )
+DESCRIPTION = (
+    "Model zoos (vision: ViTs on Fashion-MNIST, text: MiniLM on Rotten Tomatoes): train, "
+    "measure and report; every step resumes where a killed run stopped."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The zoo's command-line options (``geosharp zoo --help``)."""
+    from ..options import add_device, positive_float, positive_int
+
     p.add_argument("action", choices=("train", "measure", "report", "all"))
-    p.add_argument("--zoo", choices=ZOOS, default="vision")
-    p.add_argument("--preset", choices=("smoke", "full"), default="smoke")
-    p.add_argument("--out", default="runs/zoo")
-    p.add_argument("--n-models", type=int, help="override the preset's number of models")
-    p.add_argument("--target", type=float, help="calibration target median loss increase")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu, cuda, cuda:1, ... (default: this rank's GPU when there is one, else cpu)",
-    )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--zoo", choices=ZOOS, default="vision", help="vision or text (vision)")
+    p.add_argument("--preset", choices=("smoke", "full"), default="smoke", help="(smoke)")
+    p.add_argument("--out", default="runs/zoo", help="results directory (runs/zoo)")
+    p.add_argument("--n-models", type=positive_int, help="override the preset's number of models")
+    p.add_argument("--target", type=positive_float, help="calibration target median loss increase")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
+    add_device(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress reports")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ..options import Parser
+
+    p = Parser(prog="geosharp zoo", description=DESCRIPTION)
+    add_arguments(p)
     return p
 
 
+def check_preset(preset: ZooPreset, out: str | Path) -> None:
+    """An error if ``out`` holds a zoo made with another preset (mixing populations):
+    every setting must match the stored ``preset.json`` but ``n_models`` (adding models
+    never changes the earlier ones)."""
+    from ..errors import UsageError
+
+    stored = read_json(_zoo_dir(out, preset) / "preset.json")
+    if not stored:
+        return
+    current = json.loads(json.dumps(asdict(preset)))
+
+    def describe(key: str) -> str:
+        a, b = stored.get(key), current.get(key)
+        scalar = not isinstance(a, (dict, list)) and not isinstance(b, (dict, list))
+        return f"{key} ({a!r} there, {b!r} now)" if scalar else key
+
+    diff = [
+        describe(key)
+        for key in sorted(set(stored) | set(current))
+        if key != "n_models" and stored.get(key) != current.get(key)
+    ]
+    if diff:
+        raise UsageError(
+            f"{_zoo_dir(out, preset)} holds a zoo made with other settings, which differ in "
+            f"{', '.join(diff)}: "
+            "use another --out, or the --zoo/--preset it was made with"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    return run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the zoo action for parsed options; settings are checked before any work."""
     import dataclasses
 
-    from transformers.utils import logging as hf_logging
+    from ..options import check_device
 
-    args = _parser().parse_args(argv)
-    hf_logging.disable_progress_bar()  # ours are enough
-    torch.set_num_threads(max(1, args.threads))
     preset = get_preset(args.zoo, args.preset)
     if args.n_models is not None:
         preset = dataclasses.replace(preset, n_models=args.n_models)
+    device = check_device(args.device)
+    check_preset(preset, args.out)
+    if args.action in ("report", "all"):
+        require_matplotlib()  # the report's figures; before hours of training
+    torch.set_num_threads(max(1, args.threads))
     rank, world = gd.init()  # under torchrun every rank takes its share of the models
     who = f"[rank {rank}/{world}] " if world > 1 else ""
     progress = not args.no_progress and rank == 0
-    device = gd.device(args.device)
     if args.action in ("train", "all"):
         ids = train_zoo(preset, args.out, progress=progress, device=device)
         print(f"{who}trained {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'models'}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from ..errors import real_number
 from ..params import ParameterLayout, evaluation_mode
 from .discovery import find_symmetries
 from .pairs import PairSpec, Symmetries
@@ -37,6 +39,16 @@ def random_matrices(
     return orthogonal() @ torch.diag_embed(s) @ orthogonal().transpose(-1, -2)
 
 
+def checked_cond(cond: object) -> float:
+    """``cond`` as a float, or an error: a condition number is a finite number >= 1."""
+    value = real_number(cond, "cond")
+    if not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(
+            f"cond must be a finite condition number >= 1 (1: orthogonal transforms), got {cond!r}"
+        )
+    return value
+
+
 def random_transforms(
     symmetries: Symmetries, cond: float = 10.0, seed: int = 0
 ) -> dict[str, Tensor]:
@@ -44,6 +56,7 @@ def random_transforms(
     complex scalars per frequency plane for ``"rotary"``), keyed by pair name."""
     from ..geometry.subgroup import random_group_elements
 
+    cond = checked_cond(cond)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for pair in symmetries.pairs:
@@ -86,6 +99,8 @@ def reparameterize(
     pair's blocks become ``(G A, H A^{-T})``. Returns the transforms used.
     Copy the model first (``copy.deepcopy``) to keep the original.
     """
+    if transforms is None:
+        cond = checked_cond(cond)  # before anything is touched
     symmetries = symmetries or find_symmetries(model)
     transforms = dict(transforms or random_transforms(symmetries, cond, seed))
     named = dict(model.named_parameters())

@@ -1,0 +1,56 @@
+"""Results files: written atomically, readable by others.
+
+Readers never see a partial file: the text goes to a temporary file in the same
+directory, is flushed to disk and renamed over the target. The file gets the mode a
+plain ``open(path, "w")`` would give (``0o666`` less the umask), not the private
+``0o600`` of temporary files, so that results can be shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_json_atomic", "write_text_atomic"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON (NumPy scalars and arrays as numbers and lists)
+    to ``path``, atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")

@@ -1,0 +1,108 @@
+"""Sharpness during training: a plain hook for custom loops.
+
+:class:`SharpnessMonitor` measures chosen measures on a fixed set of training batches
+whenever it is called and returns them as metrics (``{"sharpness/adaptive": ...}``)
+for any logger; :class:`geosharp.callbacks.SharpnessCallback` drives it from a Hugging
+Face ``Trainer``. Measuring never changes the model (see :func:`geosharp.sharpness`);
+it costs ``n_iters`` forward+backward passes per batch and measure.
+
+A custom loop::
+
+    monitor = SharpnessMonitor(train_batches[:2], loss_fn, measures=["geodesic-inv"])
+    for step, batch in enumerate(loader):
+        ...
+        if step % 100 == 0:
+            writer.add_scalars("sharpness", monitor(model, step), step)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from torch import nn
+
+from .data import move_batch
+from .measures import DEFAULT_RHO, measure_kwargs, sharpness
+from .params import LossFunction
+
+__all__ = ["SharpnessMonitor"]
+
+
+def _hf_loss(model: nn.Module, batch):
+    from .hf import classification_loss
+
+    return classification_loss(model, batch)
+
+
+class SharpnessMonitor:
+    """Measure ``measures`` of a model on fixed ``batches`` each time it is called.
+
+    Args:
+        batches: the training batches to measure on (kept; use the same ones all along).
+        loss_fn: ``loss_fn(model, batch)``; default: cross-entropy of a Hugging Face
+            classifier on dict batches with ``labels``.
+        measures: names of :data:`geosharp.measures.MEASURES`.
+        rho: one radius for all measures, or ``{name: rho}``; default ``DEFAULT_RHO``.
+        n_iters, seed, **options: passed to :func:`geosharp.sharpness`.
+        prefix: prefix of the metric names.
+
+    ``monitor(model, step)`` returns ``{prefix + name: value, prefix + "loss": loss}``
+    and appends it, with the step, to ``monitor.history``.
+    """
+
+    def __init__(
+        self,
+        batches: Iterable,
+        loss_fn: LossFunction | None = None,
+        measures: Sequence[str] = ("adaptive", "geodesic-inv"),
+        rho: float | Mapping[str, float] | None = None,
+        n_iters: int = 10,
+        seed: int = 0,
+        prefix: str = "sharpness/",
+        **options,
+    ):
+        if isinstance(measures, str):
+            measures = [measures]
+        self.measures = list(measures)
+        if not self.measures:
+            raise ValueError("measures is empty: name at least one, e.g. ['geodesic-inv']")
+        for name in self.measures:
+            measure_kwargs(name)  # unknown names fail here, not mid-training
+        if rho is None or isinstance(rho, Mapping):
+            given = dict(rho or {})
+            unknown = set(given) - set(self.measures)
+            if unknown:
+                raise ValueError(f"rho names {sorted(unknown)}, which are not in measures")
+            self.rho = {n: float(given.get(n, DEFAULT_RHO[n])) for n in self.measures}
+        else:
+            self.rho = {n: float(rho) for n in self.measures}
+        self.batches = list(batches)
+        if not self.batches:
+            raise ValueError("batches is empty: give the training batches to measure on")
+        self.loss_fn = loss_fn or _hf_loss
+        self.n_iters, self.seed, self.prefix, self.options = n_iters, seed, prefix, options
+        self.history: list[dict] = []
+
+    def __call__(self, model: nn.Module, step: int | None = None) -> dict[str, float]:
+        from .symmetry import find_symmetries
+
+        device = next(model.parameters()).device
+        batches = [move_batch(b, device) for b in self.batches]
+        symmetries = find_symmetries(model, warn=False)
+        metrics: dict[str, float] = {}
+        for name in self.measures:
+            result = sharpness(
+                model,
+                batches,
+                self.loss_fn,
+                rho=self.rho[name],
+                n_iters=self.n_iters,
+                seed=self.seed,
+                symmetries=symmetries,
+                **measure_kwargs(name),
+                **self.options,
+            )
+            metrics[self.prefix + name] = result.value
+        metrics[self.prefix + "loss"] = result.loss
+        self.history.append({"step": step, **metrics})
+        return metrics

@@ -1,0 +1,153 @@
+"""Command-line options shared by every command and study, defined once.
+
+Each ``add_*`` function adds one option to a parser; each ``check_*`` function turns
+a value into what the program uses, or raises :class:`~geosharp.errors.UsageError`
+with a one-line message. Checks are cheap and run before anything slow (loading a
+model, training), so that a typo costs no time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+__all__ = [
+    "Parser",
+    "add_autocast",
+    "add_device",
+    "add_json",
+    "add_seed",
+    "check_device",
+    "check_output_path",
+    "positive_float",
+    "positive_int",
+]
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def at_least_one(text: str) -> float:
+    """argparse type: a finite number >= 1 (a condition number)."""
+    value = positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def add_seed(p: argparse.ArgumentParser, what: str = "random choices") -> None:
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the {what} (default: 0)")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:1, mps, ... (default: auto = this process's GPU if there is "
+        "one, else cpu)",
+    )
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH ('-': only JSON on stdout)",
+    )
+
+
+def add_autocast(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autocast",
+        choices=("none", "bf16", "fp16"),
+        default="none",
+        help="run forward/backward under torch.autocast; the perturbation stays float32 "
+        "(default: none)",
+    )
+
+
+def autocast_dtype(name: str):
+    import torch
+
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def check_device(spec: str):
+    """The ``torch.device`` for ``--device``; ``auto`` is this process's GPU if any
+    (``LOCAL_RANK`` under torchrun), else the CPU. An error names devices that do not
+    exist here."""
+    import torch
+
+    from . import distributed as gd
+
+    if spec == "auto":
+        return gd.device("auto")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"--device {spec!r} is not a device: use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: no CUDA GPU is available here; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {spec}: there are only {torch.cuda.device_count()} CUDA GPU(s)"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {spec}: MPS is not available here; use cpu or auto")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {spec}: geosharp runs on cpu, cuda or mps")
+    return device
+
+
+def check_output_path(path: str | None, option: str = "--json") -> None:
+    """An error unless ``path`` (``None`` and ``-`` pass) can be written: its directory
+    exists and is writable, and it is not a directory itself."""
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a directory: give a file name")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable; choose another path")
+
+
+def note(message: str) -> None:
+    """One informational line on stderr (stdout stays for results)."""
+    print(message, file=sys.stderr, flush=True)

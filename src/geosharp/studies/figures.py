@@ -1,0 +1,38 @@
+"""Figures of the studies: matplotlib, checked before any work, and compact PNGs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import MissingDependencyError
+
+__all__ = ["require_matplotlib", "save_png"]
+
+
+def require_matplotlib():
+    """Import matplotlib with the Agg backend, or a one-line error saying how to install
+    it. Studies call this before computing anything."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(
+            "the study's figures need matplotlib: pip install 'geosharp[plots]' "
+            "(or run the diagonal study with --no-plots)"
+        ) from None
+    matplotlib.use("Agg")
+    return matplotlib
+
+
+def save_png(fig, path: Path, dpi: int = 100) -> Path:
+    """Save ``fig`` as a palette PNG (256 colours, via Pillow, which matplotlib ships
+    with): plots of filled contours stay well under 300 KB."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format="png")
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(colors=256).save(path, optimize=True)
+    return Path(path)

@@ -1,0 +1,115 @@
+"""Sharpness during training: the plain hook and the Hugging Face Trainer callback,
+run with a real ``Trainer`` on a tiny BERT."""
+
+import copy
+
+import pytest
+import torch
+
+from geosharp.monitor import SharpnessMonitor
+from zoo import vit_case
+
+
+def test_monitor_returns_metrics_and_leaves_the_model_alone():
+    case = vit_case(torch.float64)
+    before = copy.deepcopy(case.model.state_dict())
+    case.model.train()
+    monitor = SharpnessMonitor(
+        case.batches, case.loss_fn, measures=["adaptive", "geodesic-inv"], n_iters=2
+    )
+    metrics = monitor(case.model, step=3)
+    assert set(metrics) == {"sharpness/adaptive", "sharpness/geodesic-inv", "sharpness/loss"}
+    assert all(v > 0 for v in metrics.values())
+    assert monitor.history == [{"step": 3, **metrics}]
+    assert case.model.training  # flags restored
+    after = case.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert monitor(case.model) == metrics  # fixed batches and seed: repeatable
+
+
+def test_monitor_checks_its_arguments_up_front():
+    case = vit_case(torch.float64)
+    with pytest.raises(ValueError, match="unknown measure"):
+        SharpnessMonitor(case.batches, case.loss_fn, measures=["sharp"])
+    with pytest.raises(ValueError, match="empty"):
+        SharpnessMonitor([], case.loss_fn)
+    with pytest.raises(ValueError, match="not in measures"):
+        SharpnessMonitor(case.batches, case.loss_fn, measures=["adaptive"], rho={"euclidean": 1})
+
+
+class _Dataset(torch.utils.data.Dataset):
+    def __init__(self, n=16, length=6, vocab=20, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(5, vocab, (n, length), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones_like(self.ids[i]),
+            "labels": self.labels[i],
+        }
+
+
+def test_trainer_callback_logs_with_the_trainer_s_metrics(tmp_path):
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from geosharp.callbacks import SharpnessCallback
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        max_position_embeddings=16,
+    )
+    model = BertForSequenceClassification(config)
+    train = _Dataset()
+
+    class Logger(TrainerCallback):  # stands for TensorBoard / W&B / CSV loggers
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    logger = Logger()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        logging_steps=2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[logger])
+    batches = [
+        {k: torch.stack([train[i][k] for i in range(s, s + 4)]) for k in train[0]} for s in (0, 4)
+    ]
+    callback = SharpnessCallback(batches, measures=["geodesic-inv"], every_n_steps=2, n_iters=2)
+    callback.attach(trainer)
+    trainer.train()
+
+    logged = [entry for entry in logger.logs if "sharpness/geodesic-inv" in entry]
+    assert len(logged) == 2  # steps 2 and 4
+    history = [e for e in trainer.state.log_history if "sharpness/geodesic-inv" in e]
+    assert [e["step"] for e in history] == [2, 4]
+    assert all(e["sharpness/geodesic-inv"] > 0 for e in history)
+    assert [h["step"] for h in callback.history] == [2, 4]
+
+    metrics = trainer.evaluate(eval_dataset=train)  # at_evaluate: added to the metrics
+    assert "sharpness/geodesic-inv" in metrics and "eval_loss" in metrics

@@ -1,0 +1,390 @@
+"""What a user meets: no silent wrong results, one-line errors with exit status 2,
+quiet parseable output, data in the formats people keep, reproducible runs."""
+
+import copy
+import json
+import math
+import os
+import shutil
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+import geosharp
+from geosharp.cli import main
+from geosharp.errors import UsageError
+from zoo import vit_case
+
+SMALL = ["--n-points", "8", "--batch-size", "4", "--n-iters", "2", "--measures", "adaptive"]
+
+
+def _one_line_error(capsys, code: int) -> str:
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- silent wrong results
+
+
+@pytest.mark.parametrize("cond", [0, -3.0, 0.5, float("nan"), float("inf"), True, "10"])
+def test_reparameterize_rejects_bad_cond_before_touching_weights(cond):
+    case = vit_case(torch.float32)
+    before = copy.deepcopy(case.model.state_dict())
+    with pytest.raises((ValueError, TypeError), match="cond"):
+        geosharp.reparameterize(case.model, cond=cond)
+    after = case.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_reparameterize_accepts_numpy_cond():
+    case = vit_case(torch.float64)
+    geosharp.reparameterize(case.model, cond=np.float64(10.0))
+    assert all(torch.isfinite(p).all() for p in case.model.parameters())
+
+
+def test_checkpoint_without_tokenizer_is_refused(bert_dir, text_csv, tmp_path, capsys):
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(bert_dir / name, bare / name)
+    line = _one_line_error(capsys, main(["measure", str(bare), "--data", str(text_csv), *SMALL]))
+    assert "no tokenizer files" in line and "--tokenizer" in line
+    args = ["measure", str(bare), "--data", str(text_csv), "--tokenizer", str(bert_dir), *SMALL]
+    assert main(args) == 0
+
+
+def _measure_json(tmp_path, name: str, *extra: str) -> dict:
+    path = tmp_path / name
+    args = ["measure", "minilm", "--data", "rotten-tomatoes", "--max-length", "12"]
+    assert main([*args, *SMALL, "--n-points", "4", "--json", str(path), *extra]) == 0
+    payload = json.loads(path.read_text())
+    for row in payload["results"]:
+        row.pop("seconds")
+    return payload
+
+
+def test_minilm_random_head_is_seeded_and_said(tmp_path, capsys):
+    first = _measure_json(tmp_path, "a.json")
+    err = capsys.readouterr().err
+    assert sum("initialised at random" in line for line in err.splitlines()) == 1
+    assert first == _measure_json(tmp_path, "b.json")
+    other = _measure_json(tmp_path, "c.json", "--seed", "1")
+    assert other["results"][0]["value"] != first["results"][0]["value"]
+    assert first["new_parameters"] == ["classifier.bias", "classifier.weight"]
+
+
+def test_zoo_refuses_a_folder_of_another_preset(tmp_path, capsys):
+    from dataclasses import asdict, replace
+
+    from geosharp.io import write_json_atomic
+    from geosharp.studies.zoo import PRESETS, check_preset
+
+    smoke = PRESETS[("vision", "smoke")]
+    write_json_atomic(tmp_path / "vision" / "preset.json", asdict(smoke))
+    code = main(["zoo", "train", "--preset", "full", "--out", str(tmp_path)])
+    line = _one_line_error(capsys, code)
+    assert "other settings" in line and "n_points" in line
+    assert not (tmp_path / "vision" / "models").exists()  # nothing trained
+    check_preset(smoke, tmp_path)  # the same preset passes
+    check_preset(replace(smoke, n_models=9), tmp_path)  # adding models is allowed
+    with pytest.raises(UsageError, match="n_iters"):
+        check_preset(replace(smoke, n_iters=7), tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_are_measured_in_float32(dtype):
+    case = vit_case(torch.float32)
+    half = case.model.to(dtype)
+    widened = copy.deepcopy(half).float()  # the same weights, in float32
+    batches = [(x.to(dtype), y) for x, y in case.batches]
+    kwargs = dict(geometry="adaptive", rho=0.05, n_iters=3, seed=0)
+    low = geosharp.sharpness(half, batches, case.loss_fn, **kwargs)
+    ref = geosharp.sharpness(widened, [(x.float(), y) for x, y in batches], case.loss_fn, **kwargs)
+    assert low.value > 0 and low.settings["dtype"] == "float32"
+    assert low.value == pytest.approx(ref.value, rel=1e-5)
+    assert all(p.dtype == dtype for p in half.parameters())  # the model is untouched
+
+
+def test_negative_n_points_is_an_error(bert_dir, text_csv, capsys):
+    code = main(["measure", str(bert_dir), "--data", str(text_csv), "--n-points", "-5"])
+    assert "--n-points" in _one_line_error(capsys, code)
+
+
+# --------------------------------------------------------------------------- one-line errors
+
+
+def _bad_inputs(bert, vit, csv, tmp):
+    (tmp / "bare.pt").write_bytes(b"")
+    torch.save(torch.zeros(3), tmp / "tensor.pt")
+    (tmp / "labels.csv").write_text("text,label\ngood film,0\nbad film,7\n")
+    (tmp / "data.xyz").write_text("x")
+    m = ["measure", str(bert), "--data", str(csv)]
+    return {
+        "missing checkpoint": (["measure", str(tmp / "nope"), "--data", str(csv)], "not found"),
+        "missing csv": (["measure", str(bert), "--data", str(tmp / "nope.csv")], "no such"),
+        "rho 0": ([*m, "--rho", "0"], "--rho"),
+        "rho -1": ([*m, "--rho=-1"], "--rho"),
+        "rho nan": ([*m, "--rho", "nan"], "--rho"),
+        "rho inf": ([*m, "--rho", "inf"], "--rho"),
+        "rho text": ([*m, "--rho", "big"], "--rho"),
+        "rho unknown measure": ([*m, "--rho", "euclidean=0.1"], "not in --measures"),
+        "measures bogus": ([*m, "--measures", "bogus"], "unknown measure"),
+        "measures empty": ([*m, "--measures", ""], "empty"),
+        "n-points 0": ([*m, "--n-points", "0"], "--n-points"),
+        "batch-size 0": ([*m, "--batch-size", "0"], "--batch-size"),
+        "n-iters 0": ([*m, "--n-iters", "0"], "--n-iters"),
+        "labels outside classes": (
+            ["measure", str(bert), "--data", str(tmp / "labels.csv")],
+            "outside the model's 2 classes",
+        ),
+        "device cuda": ([*m, "--device", "cuda:7"], "--device"),
+        "device foo": ([*m, "--device", "foo"], "--device"),
+        "pt bare tensor": (
+            ["measure", str(vit), "--data", str(tmp / "tensor.pt")],
+            "dict of input tensors",
+        ),
+        "pt unreadable": (["measure", str(vit), "--data", str(tmp / "bare.pt")], "torch.load"),
+        "unknown data format": ([*m[:3], str(tmp / "data.xyz")], "unknown format"),
+        "text data for a vision model": (["measure", str(vit), "--data", str(csv)], "text data"),
+        "symmetries missing path": (["symmetries", str(tmp / "nope")], "not found"),
+        "json into a missing dir": ([*m, "--json", str(tmp / "no" / "x.json")], "does not exist"),
+        "json is a directory": ([*m, "--json", str(tmp)], "directory"),
+        "tokenizer missing": ([*m, "--tokenizer", str(tmp / "nope")], "--tokenizer"),
+        "unknown column": ([*m, "--text-column", "review"], "no column 'review'"),
+        "demo cond": (["demo", "--cond", "0.5"], "--cond"),
+        "zoo n-models": (["zoo", "train", "--n-models", "0"], "--n-models"),
+        "study paper missing": (
+            ["study", "paper", "bert", "--checkpoints", str(tmp / "no"), "--data", str(csv)],
+            "no such file",
+        ),
+        "unknown command": (["sharpen"], "invalid choice"),
+    }
+
+
+def test_every_bad_input_is_one_line_and_exit_2(bert_dir, vit_dir, text_csv, tmp_path, capsys):
+    for name, (argv, expected) in _bad_inputs(bert_dir, vit_dir, text_csv, tmp_path).items():
+        line = _one_line_error(capsys, main(argv))
+        assert expected in line, (name, line)
+
+
+def test_debug_shows_the_traceback(bert_dir, text_csv):
+    with pytest.raises(UsageError, match="--rho"):
+        main(["--debug", "measure", str(bert_dir), "--data", str(text_csv), "--rho", "0"])
+
+
+@pytest.mark.parametrize(
+    "bad", [["--rho", "-1"], ["--json", "/no/such/dir/x.json"], ["--device", "foo"]]
+)
+def test_arguments_are_checked_before_the_model_loads(bert_dir, text_csv, monkeypatch, capsys, bad):
+    import geosharp.hf
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model must not be loaded before the arguments are checked")
+
+    monkeypatch.setattr(geosharp.hf, "load_classifier", forbidden)
+    monkeypatch.setattr(geosharp.hf, "load_config", forbidden)
+    _one_line_error(capsys, main(["measure", str(bert_dir), "--data", str(text_csv), *bad]))
+
+
+def test_study_needing_matplotlib_says_so_before_computing(monkeypatch, tmp_path, capsys):
+    import sys
+
+    import geosharp.studies.diagonal as diagonal
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(diagonal, "run_study", lambda *a, **k: pytest.fail("computed first"))
+    line = _one_line_error(capsys, main(["study", "diagonal", "--smoke", "--out", str(tmp_path)]))
+    assert "matplotlib" in line and "--no-plots" in line
+    line = _one_line_error(capsys, main(["study", "toy", "--out", str(tmp_path)]))
+    assert "matplotlib" in line
+    line = _one_line_error(capsys, main(["zoo", "all", "--out", str(tmp_path)]))
+    assert "matplotlib" in line and not (tmp_path / "vision").exists()
+
+
+# --------------------------------------------------------------------------- API checks
+
+
+def test_rho_accepts_numpy_and_torch_scalars_and_rejects_booleans():
+    case = vit_case(torch.float64)
+    kwargs = dict(geometry="adaptive", n_iters=2, seed=0)
+    ref = geosharp.sharpness(case.model, case.batches, case.loss_fn, rho=0.05, **kwargs).value
+    for rho in (np.float64(0.05), torch.tensor(0.05, dtype=torch.float64)):
+        value = geosharp.sharpness(case.model, case.batches, case.loss_fn, rho=rho, **kwargs)
+        assert value.value == ref and isinstance(value.rho, float)
+    for bad in (True, np.bool_(True), "0.05", torch.ones(2), float("nan"), 0):
+        with pytest.raises((TypeError, ValueError), match="rho"):
+            geosharp.sharpness(case.model, case.batches, case.loss_fn, rho=bad, **kwargs)
+
+
+def test_default_rho_is_the_measure_table_s():
+    from geosharp.measures import DEFAULT_RHO
+
+    case = vit_case(torch.float64)
+    for geometry, metric, name in [
+        ("geodesic", "mix", "geodesic-mix"),
+        ("geodesic", "inv", "geodesic-inv"),
+        ("adaptive", "inv", "adaptive"),
+    ]:
+        result = geosharp.sharpness(
+            case.model, case.batches, case.loss_fn, geometry=geometry, metric=metric, n_iters=1
+        )
+        assert result.rho == DEFAULT_RHO[name]
+
+
+def test_empty_parameter_list_and_loss_without_grad_are_explained():
+    case = vit_case(torch.float64)
+    with pytest.raises(ValueError, match=r"parameters=\[\] names no parameter"):
+        geosharp.sharpness(case.model, case.batches, case.loss_fn, parameters=[])
+
+    def detached(model, batch):
+        with torch.no_grad():
+            return case.loss_fn(model, batch)
+
+    with pytest.raises(ValueError, match="does not require grad"):
+        geosharp.sharpness(case.model, case.batches, detached, n_iters=2)
+
+
+# --------------------------------------------------------------------------- quiet output
+
+
+def test_no_load_reports_bars_or_ansi_codes(tmp_path, capsys):
+    _measure_json(tmp_path, "quiet.json")
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    for noise in ("LOAD REPORT", "Loading weights", "\x1b", "\r", "MISSING"):
+        assert noise not in text, noise
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise():
+    import io
+
+    from geosharp.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Terminal(), io.StringIO()
+    ticks = iter(float(t) for t in range(0, 400, 20))
+    list(Progress(range(10), desc="x", stream=tty))
+    list(Progress(range(10), desc="x", unit="batch", stream=log, clock=lambda: next(ticks)))
+    assert "\r" in tty.getvalue()  # a tqdm bar
+    lines = log.getvalue().splitlines()
+    assert lines and all(line.startswith("x: ") and "/10 batch" in line for line in lines)
+    assert "\x1b" not in log.getvalue() and "\r" not in log.getvalue()
+
+
+def test_results_files_are_readable_by_others(tmp_path):
+    from geosharp.io import write_json_atomic, write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "a.json", {"x": np.float32(1.5)})
+        write_text_atomic(tmp_path / "b.md", "text")
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.md"):
+        mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
+        assert mode == 0o644, oct(mode)
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1.5}
+
+
+# --------------------------------------------------------------------------- data formats
+
+
+def _measure_value(capsys, argv) -> float:
+    assert main([*argv, *SMALL, "--json", "-"]) == 0
+    return json.loads(capsys.readouterr().out)["results"][0]["value"]
+
+
+def test_text_data_formats_agree(bert_dir, text_csv, tmp_path, capsys):
+    import csv as csvlib
+
+    with text_csv.open() as f:
+        rows = list(csvlib.DictReader(f))
+    names = {"0": "negative", "1": "positive"}
+    with (tmp_path / "d.jsonl").open("w") as f:  # other column names, label names
+        for r in rows:
+            f.write(json.dumps({"review": r["text"], "sentiment": names[r["label"]]}) + "\n")
+    (tmp_path / "d.tsv").write_text(
+        "sentence\ty\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in rows)
+    )
+    import datasets
+
+    table = datasets.Dataset.from_dict(
+        {"text": [r["text"] for r in rows], "label": [int(r["label"]) for r in rows]}
+    )
+    datasets.DatasetDict(train=table).save_to_disk(str(tmp_path / "hf"))
+
+    base = ["measure", str(bert_dir), "--data"]
+    reference = _measure_value(capsys, [*base, str(text_csv)])
+    jsonl = [*base, str(tmp_path / "d.jsonl"), "--text-column", "review"]
+    tsv = [*base, str(tmp_path / "d.tsv"), "--text-column", "sentence", "--label-column", "y"]
+    assert _measure_value(capsys, [*jsonl, "--label-column", "sentiment"]) == reference
+    assert _measure_value(capsys, tsv) == reference
+    assert _measure_value(capsys, [*base, str(tmp_path / "hf")]) == reference
+    line = _one_line_error(capsys, main([*base, str(tmp_path / "hf"), "--split", "test"]))
+    assert "--split" in line
+
+
+def test_image_folder(vit_dir, tmp_path, capsys):
+    from PIL import Image
+
+    gen = np.random.default_rng(0)
+    for c in range(3):
+        (tmp_path / "imgs" / f"class{c}").mkdir(parents=True)
+        for i in range(3):
+            pixels = (gen.random((12, 12)) * 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "imgs" / f"class{c}" / f"{i}.png")
+    value = _measure_value(capsys, ["measure", str(vit_dir), "--data", str(tmp_path / "imgs")])
+    assert math.isfinite(value) and value > 0
+
+
+# --------------------------------------------------------------------------- one command tree
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["measure"], "--text-column"),
+        (["symmetries"], "--no-check"),
+        (["demo"], "--cond"),
+        (["study", "diagonal"], "--networks"),
+        (["study", "toy"], "--lim"),
+        (["study", "paper"], "--checkpoints"),
+        (["zoo"], "--preset"),
+    ],
+)
+def test_every_command_shows_its_options(argv, option, capsys):
+    assert main([*argv, "--help"]) == 0
+    assert option in capsys.readouterr().out
+
+
+def test_shared_options_have_one_default():
+    from geosharp.cli import build_parser
+
+    parser = build_parser()
+    defaults = {}
+    for argv in (["measure", "m", "--data", "d"], ["zoo", "train"], ["study", "paper", "bert"]):
+        args, _ = parser.parse_known_args([*argv, "--checkpoints", "c", "--data", "d"])
+        defaults[argv[0]] = (args.device, getattr(args, "seed", 0))
+    assert set(defaults.values()) == {("auto", 0)}
+
+
+def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
+    from launch import run_python
+
+    base = ["-m", "geosharp.cli", "measure", str(bert_dir), "--data", str(text_csv), *SMALL]
+    single = json.loads(run_python([*base, "--json", "-", "--quiet"], 1))
+    shared = json.loads(run_python([*base, "--json", "-", "--quiet"], 2))
+    for a, b in zip(single["results"], shared["results"]):
+        assert a["per_batch"] == b["per_batch"] and a["value"] == b["value"]
+    bf16 = json.loads(run_python([*base, "--json", "-", "--autocast", "bf16"], 1))
+    row = bf16["results"][0]
+    assert row["settings"]["autocast"] == "bfloat16" and math.isfinite(row["value"])
