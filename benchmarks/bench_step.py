@@ -32,7 +32,8 @@ def build(name: str, batch: int, seq: int):
     if name == "minilm":
         from geosharp.hf import load_classifier
 
-        model, config = load_classifier("minilm")
+        loaded = load_classifier("minilm")
+        model, config = loaded.model, loaded.config
     elif name == "bert-base-shaped":
         from transformers import BertConfig, BertForSequenceClassification
 

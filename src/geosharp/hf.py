@@ -132,9 +132,6 @@ class LoadedClassifier:
     new_parameters: list[str]
     seed: int
 
-    def __iter__(self):  # ``model, config = load_classifier(...)``
-        return iter((self.model, self.config))
-
 
 def load_classifier(
     name: str | Path,
@@ -164,6 +161,7 @@ def load_classifier(
         model, info = auto.from_pretrained(
             path, local_files_only=True, dtype=dtype, output_loading_info=True, **kwargs
         )
+    # mismatched_keys: (name, shape in the checkpoint, shape in the model)
     new = sorted(
         set(info.get("missing_keys", ()))
         | {k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())}

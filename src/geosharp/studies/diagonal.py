@@ -71,6 +71,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UsageError
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import write_json_atomic
 from ..measures.apgd import auto_pgd
@@ -187,15 +188,20 @@ class DiagonalStudyConfig:
         )
 
     def validate(self) -> None:
+        """A :class:`~geosharp.errors.UsageError` (a ``ValueError``) for settings that
+        cannot run, named as the command line names them."""
         if not 0 < self.n_nonzero <= self.d:
-            raise ValueError("n_nonzero must be in 1..d")
+            raise UsageError(f"n_nonzero must be in 1..d={self.d}, got {self.n_nonzero}")
         if any(b < 1 or b > self.n_train for b in self.batch_sizes):
-            raise ValueError(f"batch sizes must be in 1..n_train={self.n_train}")
+            raise UsageError(f"--batch-sizes must be in 1..n_train={self.n_train}")
         if self.n_networks < 2:
-            raise ValueError("a rank correlation needs at least 2 networks")
-        for lo, hi in (self.alpha_range, self.lr_range):
+            raise UsageError("--networks: a rank correlation needs at least 2 networks")
+        for option, (lo, hi) in (
+            ("--alpha-range", self.alpha_range),
+            ("--lr-range", self.lr_range),
+        ):
             if not 0 < lo <= hi:
-                raise ValueError("ranges must be positive and ordered")
+                raise UsageError(f"{option} must be positive and ordered (LO <= HI)")
 
 
 @dataclass

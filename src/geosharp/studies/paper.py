@@ -36,6 +36,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..errors import UsageError
+
 __all__ = [
     "MNLI_LABELS",
     "CLIPClassifier",
@@ -139,7 +141,10 @@ def load_clip_finetune(path: str | Path, config=None) -> CLIPClassifier:
     state = state.get("state_dict", state)
     state = {re.sub(r"^(module\.)?(model\.)?", "", k): v for k, v in state.items()}
     if config is None:
-        raise ValueError("a model-soups .pt checkpoint needs config= (a CLIPVisionConfig)")
+        raise UsageError(
+            "a model-soups .pt checkpoint needs a CLIPVisionConfig: pass --config DIR "
+            "(config= in Python)"
+        )
     if not isinstance(config, CLIPVisionConfig):
         config = CLIPVisionConfig.from_pretrained(config, local_files_only=True)
     vision = CLIPVisionModelWithProjection(config)
@@ -147,8 +152,9 @@ def load_clip_finetune(path: str | Path, config=None) -> CLIPClassifier:
     missing, unexpected = vision.load_state_dict(converted, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not fit the config: missing {missing}, unexpected {unexpected}"
+        raise UsageError(
+            f"{path} does not fit the config: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]} (and more); pass the --config it was trained with"
         )
     return CLIPClassifier(vision, _head_from(state, "classification_head.")).eval()
 

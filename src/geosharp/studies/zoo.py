@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from .. import distributed as gd
 from ..data import move_batch
+from ..errors import UsageError
 from ..io import write_json_atomic, write_text_atomic
 from .figures import require_matplotlib
 
@@ -1047,7 +1048,10 @@ def report_zoo(preset: ZooPreset, out: str | Path, target: float | None = None) 
     per model) and the scatter PNGs."""
     metas, records = _load_zoo(preset, out)
     if len(metas) < 2:
-        raise RuntimeError(f"need at least 2 trained and measured models, found {len(metas)}")
+        raise UsageError(
+            f"the report needs at least 2 trained and measured models in "
+            f"{_zoo_dir(out, preset)}, found {len(metas)}: run train and measure first"
+        )
     summary = analyse(preset, metas, records, target=target)
     rdir = _zoo_dir(out, preset) / "report"
     figures = [
@@ -1116,8 +1120,6 @@ def check_preset(preset: ZooPreset, out: str | Path) -> None:
     """An error if ``out`` holds a zoo made with another preset (mixing populations):
     every setting must match the stored ``preset.json`` but ``n_models`` (adding models
     never changes the earlier ones)."""
-    from ..errors import UsageError
-
     stored = read_json(_zoo_dir(out, preset) / "preset.json")
     if not stored:
         return
