@@ -269,3 +269,45 @@ def test_frozen_parameters_are_not_perturbed(small):
     r = geosharp.sharpness(model, small.batches, small.loss_fn, rho=0.05, n_iters=3)
     assert r.settings["n_pairs"] == 0  # every pair has a frozen member
     assert r.value > 0  # the head still moves
+
+
+def test_several_starts_keep_the_best_and_each_start_s_value(small):
+    kwargs = dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=4, seed=3)
+    run = lambda **k: geosharp.sharpness(small.model, small.batches, small.loss_fn, **kwargs, **k)  # noqa: E731
+    zero, one = run(), run(starts=1)
+    assert zero.per_batch == one.per_batch and one.per_batch_starts == []
+    assert run(starts="random").per_batch == run(random_start=True).per_batch
+    three = run(starts=3)
+    assert len(three.per_batch_starts) == len(small.batches)
+    for best, starts, first in zip(three.per_batch, three.per_batch_starts, zero.per_batch):
+        assert len(starts) == 3 and starts[0] == first  # the zero start comes first
+        assert best == max(starts)
+    assert three.value >= zero.value and three.settings["starts"] == 3
+    for bad in (0, "two", True):
+        with pytest.raises((ValueError, TypeError), match="starts"):
+            run(starts=bad)
+    with pytest.raises(ValueError, match="starts alone"):
+        run(starts=2, random_start=True)
+
+
+def test_attention_only_measures_perturb_the_pairs_alone(small):
+    symmetries = geosharp.find_symmetries(small.model)
+    in_pairs = {n for pair in symmetries.pairs for n in pair.params}
+    assert in_pairs and in_pairs != {n for n, _ in small.model.named_parameters()}
+    for name in ("adaptive-attn", "geodesic-inv-attn", "geodesic-mix-attn"):
+        kwargs = measure_kwargs(name)
+        attn = geosharp.sharpness(
+            small.model, small.batches, small.loss_fn, n_iters=3, seed=0, **kwargs
+        )
+        explicit = dict(
+            kwargs, parameters=[n for n, _ in small.model.named_parameters() if n in in_pairs]
+        )
+        same = geosharp.sharpness(
+            small.model, small.batches, small.loss_fn, n_iters=3, seed=0, **explicit
+        )
+        assert attn.value == same.value > 0 and attn.settings["parameters"] == "pairs"
+        assert attn.rho == geosharp.DEFAULT_RHO[name]
+    with pytest.raises(ValueError, match="no symmetric pairs"):
+        geosharp.sharpness(
+            nn.Linear(3, 1), [torch.ones(2, 3)], lambda m, b: m(b).sum(), parameters="pairs"
+        )

@@ -87,3 +87,55 @@ def test_bootstrap_ci_validates_arguments():
         bootstrap_ci(kendall_tau, [1.0, 2.0], [1.0, 2.0, 3.0])
     with pytest.raises(ValueError):
         bootstrap_ci(np.mean, [1.0, 2.0], level=1.5)
+
+
+def test_partial_tau_removes_a_shared_cause():
+    from geosharp.studies.stats import partial_tau
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=300)
+    x, y = z + 0.3 * rng.normal(size=300), z + 0.3 * rng.normal(size=300)
+    tau = kendall_tau(x, y)
+    assert tau > 0.5  # correlated through z only
+    # Kendall's partial tau shrinks a shared cause's agreement a lot, though not to 0
+    assert abs(partial_tau(x, y, z)) < 0.5 * tau
+    w = x + 0.1 * rng.normal(size=300)  # agrees with x beyond what z explains
+    assert partial_tau(x, w, z) > 0.8
+    assert partial_tau(x, x, y) == pytest.approx(1.0)
+
+
+def test_tau_difference_is_paired_and_reselects_the_radius():
+    from geosharp.studies.stats import calibrated_index, kendall_tau_with_ci, tau_difference
+
+    rng = np.random.default_rng(1)
+    gap = rng.normal(size=40)
+    a = gap + 0.8 * rng.normal(size=40)
+    same = tau_difference(a, a, gap, n_boot=300)
+    assert same.estimate == same.low == same.high == 0.0
+    # b is a plus tiny noise: each tau is uncertain, their difference is not
+    b = a + 0.01 * rng.normal(size=40)
+    diff = tau_difference(a, b, gap, n_boot=300)
+    single = kendall_tau_with_ci(a, gap, n_boot=300)
+    assert diff.high - diff.low < 0.25 * (single.high - single.low)
+    # a measure tied to the gap beats noise, and the interval says so
+    better = tau_difference(gap + 0.1 * rng.normal(size=40), rng.normal(size=40), gap, n_boot=300)
+    assert better.low > 0.3
+
+    # two radii: the rule is applied to the full data and again inside every resample
+    grid = np.stack([1e-3 * np.exp(a), 1e-1 * np.exp(rng.normal(size=40))])
+    calls = []
+
+    def select(values):
+        calls.append(values.shape)
+        return calibrated_index(values, 1e-3)
+
+    other = rng.normal(size=40)
+    ci = tau_difference(grid, other, gap, select_a=select, n_boot=50)
+    assert len(calls) == 51 and all(shape == (2, 40) for shape in calls)
+    assert calibrated_index(grid, 1e-3) == 0
+    expected = kendall_tau(grid[0], gap, "b") - kendall_tau(other, gap, "b")
+    assert ci.estimate == pytest.approx(expected)
+    absolute = tau_difference(-a, a, gap, absolute=True, n_boot=50)
+    assert absolute.estimate == 0.0
+    with pytest.raises(ValueError, match="select"):
+        tau_difference(grid, grid, gap)

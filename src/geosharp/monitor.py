@@ -99,8 +99,7 @@ class SharpnessMonitor:
                 n_iters=self.n_iters,
                 seed=self.seed,
                 symmetries=symmetries,
-                **measure_kwargs(name),
-                **self.options,
+                **{**self.options, **measure_kwargs(name)},
             )
             metrics[self.prefix + name] = result.value
         metrics[self.prefix + "loss"] = result.loss

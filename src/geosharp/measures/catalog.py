@@ -15,6 +15,10 @@ MEASURES: dict[str, dict] = {
     "geodesic-norm-only-mix": dict(geometry="geodesic-norm-only", metric="mix"),
     "geodesic-curvature-only-inv": dict(geometry="geodesic-curvature-only", metric="inv"),
     "geodesic-curvature-only-mix": dict(geometry="geodesic-curvature-only", metric="mix"),
+    # attention only: the pairs' parameters (query/key/value/output), where they differ
+    "adaptive-attn": dict(geometry="adaptive", parameters="pairs"),
+    "geodesic-inv-attn": dict(geometry="geodesic", metric="inv", parameters="pairs"),
+    "geodesic-mix-attn": dict(geometry="geodesic", metric="mix", parameters="pairs"),
 }
 
 # Starting radii. adaptive and inv are relative (scale-free), mix and Euclidean absolute
@@ -29,6 +33,9 @@ DEFAULT_RHO: dict[str, float] = {
     "geodesic-norm-only-mix": 0.005,
     "geodesic-curvature-only-inv": 0.05,
     "geodesic-curvature-only-mix": 0.05,
+    "adaptive-attn": 0.05,
+    "geodesic-inv-attn": 0.05,
+    "geodesic-mix-attn": 0.005,
 }
 
 
@@ -44,15 +51,20 @@ def measure_kwargs(name: str) -> dict:
         raise ValueError(f"unknown measure {name!r}; choose from: {', '.join(MEASURES)}") from None
 
 
-def measure_name(geometry: str, metric: str = "inv", p: float = 2.0) -> str:
+def measure_name(
+    geometry: str, metric: str = "inv", p: float = 2.0, parameters: str | None = None
+) -> str:
     """The table's name of a :func:`geosharp.sharpness` configuration.
 
     >>> measure_name("geodesic", "mix"), measure_name("adaptive", p=float("inf"))
     ('geodesic-mix', 'adaptive-linf')
+    >>> measure_name("geodesic", "inv", parameters="pairs")
+    'geodesic-inv-attn'
     """
     for name, kwargs in MEASURES.items():
         if (
-            kwargs["geometry"] == geometry
+            kwargs.get("parameters") == parameters
+            and kwargs["geometry"] == geometry
             and kwargs.get("metric", metric) == metric
             and kwargs.get("p", 2.0) == p
         ):
@@ -63,10 +75,12 @@ def measure_name(geometry: str, metric: str = "inv", p: float = 2.0) -> str:
     )
 
 
-def default_rho(geometry: str, metric: str = "inv", p: float = 2.0) -> float:
+def default_rho(
+    geometry: str, metric: str = "inv", p: float = 2.0, parameters: str | None = None
+) -> float:
     """The default radius of a configuration (``DEFAULT_RHO`` of its name).
 
     >>> default_rho("geodesic", "mix"), default_rho("adaptive")
     (0.005, 0.05)
     """
-    return DEFAULT_RHO[measure_name(geometry, metric, p)]
+    return DEFAULT_RHO[measure_name(geometry, metric, p, parameters)]

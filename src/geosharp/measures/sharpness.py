@@ -43,7 +43,8 @@ class SharpnessResult:
 
     ``value`` is the mean over batches of (best or mean perturbed loss minus the
     unperturbed loss); ``per_batch`` holds each batch's value, ``loss`` the mean
-    unperturbed loss, ``traces`` the Auto-PGD trace of each batch (worst case).
+    unperturbed loss, ``traces`` the Auto-PGD trace of each batch (worst case; of its
+    best start), ``per_batch_starts`` each start's value per batch (several starts).
     """
 
     value: float
@@ -55,6 +56,7 @@ class SharpnessResult:
     rho: float
     settings: dict = field(default_factory=dict)
     traces: list[APGDTrace] = field(default_factory=list)
+    per_batch_starts: list[list[float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -83,11 +85,12 @@ def sharpness(
     n_samples: int = 10,
     seed: int = 0,
     random_start: bool = False,
+    starts: str | int = "zero",
     eps: float = 0.0,
     p: float = 2.0,
     elementwise_step: str = "straight",
     symmetries: Symmetries | None = None,
-    parameters: Sequence[str] | None = None,
+    parameters: Sequence[str] | str | None = None,
     max_batches: int | None = None,
     progress: bool = False,
     autocast_dtype: torch.dtype | None = None,
@@ -113,7 +116,12 @@ def sharpness(
         n_samples: random directions per batch (average case).
         seed: seed of a private generator (random start, average case); global RNG
             state is not touched.
-        random_start: start Auto-PGD from a random vector of norm ``rho`` (else 0).
+        random_start: start Auto-PGD from a random vector of norm ``rho`` (else 0);
+            the same as ``starts="random"``.
+        starts: Auto-PGD starts per batch (worst case): ``"zero"`` (``xi = 0``),
+            ``"random"`` (a random vector of norm ``rho``), or an integer ``k``: the
+            best of ``k`` runs, from ``xi = 0`` and ``k - 1`` random vectors (each
+            start's value is kept in ``per_batch_starts``). Costs ``k`` times one.
         eps: relaxation ``P + eps I`` of the ``inv`` metric.
         p: 2, or ``float('inf')`` for the L-infinity adaptive sharpness of
             Andriushchenko et al. (2023).
@@ -121,7 +129,9 @@ def sharpness(
             geodesic ``theta exp(xi / theta)``) for element-wise parameters.
         symmetries: the model's symmetries (default: :func:`find_symmetries`).
         parameters: names of the parameters to perturb (default: all that require
-            grad). Pairs with a parameter outside this set are not used.
+            grad), or ``"pairs"``: those of the symmetric pairs (attention's
+            query/key/value/output weights and biases), where the geometries differ.
+            Pairs with a parameter outside this set are not used.
         max_batches: use at most this many batches.
         progress: show a progress bar over batches.
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to run the model's
@@ -147,16 +157,22 @@ def sharpness(
     from .catalog import default_rho
 
     _check_arguments(kind, n_iters, n_samples)
+    n_starts, first_random = _starts(starts, random_start)
     if autocast_dtype not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
     geo = Geometry.named(geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step)
-    rho = _checked_rho(default_rho(geometry, metric, p) if rho is None else rho)
+    if rho is None:
+        rho = default_rho(geometry, metric, p, parameters if isinstance(parameters, str) else None)
+    rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
-    named = _perturbed_parameters(model, parameters)
+    parameters_arg = parameters
     if symmetries is None:
         symmetries = find_symmetries(model)
+    if isinstance(parameters, str) and parameters == "pairs":
+        parameters = _pair_parameters(model, symmetries)
+    named = _perturbed_parameters(model, parameters)
     pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
     layout = ParameterLayout.from_named(named)
     theta = layout.flatten({n: t.detach() for n, t in named})
@@ -169,16 +185,18 @@ def sharpness(
         n_samples=n_samples,
         seed=seed,
         random_start=random_start,
+        starts=starts,
         eps=eps,
         p=p,
         elementwise_step=elementwise_step,
         n_pairs=len(pairs),
+        parameters="pairs" if isinstance(parameters_arg, str) else None,
         autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
         dtype=str(theta.dtype).removeprefix("torch."),
     )
     autocast = _autocast(theta.device, autocast_dtype)
 
-    records = []  # (batch index, value, unperturbed loss, trace)
+    records = []  # (batch index, value, unperturbed loss, trace, value of each start)
     with evaluation_mode(model):
         space = PerturbationSpace(theta, layout, pairs, geo)
         evaluate = functional_loss(
@@ -193,25 +211,30 @@ def sharpness(
                 loss0 = evaluate(layout.unflatten(theta), batch)
             loss0 = _checked_loss(loss0, "unperturbed")
 
-            trace = None
+            trace, per_start = None, []
             if kind == "worst":
-                xi0 = None
-                if random_start:
-                    xi0 = _scale_to(space, space.random(generator), rho)
                 objective = (
                     _Objective(space, evaluate, layout, batch, autocast)
                     if fast
                     else _objective(space, evaluate, layout, batch, autocast)
                 )
-                best, _, trace = auto_pgd(objective, space, rho, n_iters, xi0)
+                best = -math.inf
+                for start in range(n_starts):
+                    xi0 = None
+                    if start > 0 or first_random:
+                        xi0 = _scale_to(space, space.random(generator), rho)
+                    value, _, run = auto_pgd(objective, space, rho, n_iters, xi0)
+                    per_start.append(float(value) - loss0)
+                    if float(value) > best:
+                        best, trace = float(value), run
+                    if not all(math.isfinite(v) for v in run.losses):
+                        warnings.warn(
+                            f"non-finite perturbed loss during Auto-PGD ({geo.name}, "
+                            f"rho={rho:g}): rho is probably too large",
+                            stacklevel=2,
+                        )
                 del objective
-                if not all(math.isfinite(v) for v in trace.losses):
-                    warnings.warn(
-                        f"non-finite perturbed loss during Auto-PGD ({geo.name}, rho={rho:g}): "
-                        "rho is probably too large",
-                        stacklevel=2,
-                    )
-                value = float(best) - loss0
+                value = best - loss0
             else:
                 total = 0.0
                 point = torch.empty_like(theta)
@@ -221,7 +244,7 @@ def sharpness(
                         total += float(evaluate(layout.unflatten(space.retr_(xi, point)), batch))
                 del point
                 value = total / n_samples - loss0
-            records.append((index, value, loss0, trace))
+            records.append((index, value, loss0, trace, per_start))
 
     if distributed:
         from ..distributed import gather_in_order
@@ -230,6 +253,7 @@ def sharpness(
     values = [r[1] for r in records]
     losses = [r[2] for r in records]
     traces = [r[3] for r in records if r[3] is not None]
+    per_batch_starts = [r[4] for r in records] if n_starts > 1 else []
     if not values:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
     return SharpnessResult(
@@ -242,6 +266,7 @@ def sharpness(
         rho=rho,
         settings=settings,
         traces=traces,
+        per_batch_starts=per_batch_starts,
     )
 
 
@@ -252,6 +277,23 @@ def _checked_rho(rho: object) -> float:
     return number
 
 
+def _starts(starts: str | int, random_start: bool) -> tuple[int, bool]:
+    """``(number of Auto-PGD runs, whether the first starts at random)``."""
+    if isinstance(starts, bool) or not isinstance(starts, (str, int)):
+        raise TypeError(f"starts must be 'zero', 'random' or a positive integer, got {starts!r}")
+    if isinstance(starts, str):
+        if starts not in ("zero", "random"):
+            raise ValueError(
+                f"starts must be 'zero', 'random' or a positive integer, got {starts!r}"
+            )
+        return 1, starts == "random" or random_start
+    if starts < 1:
+        raise ValueError(f"starts must be at least 1, got {starts}")
+    if random_start:
+        raise ValueError("random_start=True and starts=k: use starts alone")
+    return starts, False
+
+
 def _check_arguments(kind: str, n_iters: int, n_samples: int) -> None:
     if kind not in ("worst", "average"):
         raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
@@ -259,6 +301,18 @@ def _check_arguments(kind: str, n_iters: int, n_samples: int) -> None:
         raise ValueError(f"n_iters must be at least 1, got {n_iters}")
     if n_samples < 1:
         raise ValueError(f"n_samples must be at least 1, got {n_samples}")
+
+
+def _pair_parameters(model: nn.Module, symmetries: Symmetries) -> list[str]:
+    """The names of the parameters in ``symmetries``' pairs, in the model's order."""
+    in_pairs = {n for pair in symmetries.pairs for n in pair.params}
+    names = [n for n, _ in model.named_parameters() if n in in_pairs]
+    if not names:
+        raise ValueError(
+            "parameters='pairs': no symmetric pairs were found in the model "
+            "(see geosharp.find_symmetries(model).summary())"
+        )
+    return names
 
 
 def _perturbed_parameters(
@@ -278,7 +332,7 @@ def _perturbed_parameters(
             )
         return chosen
     if isinstance(names, str):
-        raise TypeError(f"parameters must be a list of names, got the string {names!r}")
+        raise TypeError(f"parameters must be a list of names or 'pairs', got {names!r}")
     names = list(names)
     if not names:
         raise ValueError(

@@ -24,7 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BootstrapCI", "bootstrap_ci", "kendall_tau", "kendall_tau_with_ci"]
+__all__ = [
+    "BootstrapCI",
+    "bootstrap_ci",
+    "calibrated_index",
+    "granulated_tau",
+    "kendall_tau",
+    "kendall_tau_with_ci",
+    "partial_tau",
+    "tau_difference",
+]
 
 
 def _pair_signs(x: np.ndarray) -> np.ndarray:
@@ -145,3 +154,121 @@ def kendall_tau_with_ci(
         return kendall_tau(x, y, variant=variant)
 
     return bootstrap_ci(tau, a, b, n_boot=n_boot, level=level, seed=seed)
+
+
+def partial_tau(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
+    r"""Kendall's partial tau of ``x`` and ``y`` given ``z`` (tau-b throughout):
+
+    .. math:: \tau_{xy \cdot z} = \frac{\tau_{xy} - \tau_{xz}\tau_{yz}}
+              {\sqrt{(1 - \tau_{xz}^2)(1 - \tau_{yz}^2)}}
+
+    How much of the rank agreement of ``x`` and ``y`` is left once the part both share
+    with ``z`` (e.g. the training loss) is taken out. It is not a test of conditional
+    independence: two noisy copies of ``z`` keep a partial tau well above 0. NaN when
+    ``z`` orders ``x`` or ``y`` perfectly.
+
+    >>> z = [1, 2, 3, 4, 5, 6]
+    >>> round(partial_tau([1, 2, 3, 4, 6, 5], [2, 1, 3, 4, 5, 6], z), 3)  # both follow z
+    -0.071
+    """
+    txy, txz, tyz = (kendall_tau(p, q, "b") for p, q in ((x, y), (x, z), (y, z)))
+    denominator = np.sqrt((1.0 - txz**2) * (1.0 - tyz**2))
+    return float((txy - txz * tyz) / denominator) if denominator > 0 else float("nan")
+
+
+def calibrated_index(values: np.ndarray, target: float) -> int:
+    """The radius (row of ``values``, radii x models, loss increases) whose median over
+    the models is closest to ``target`` on a log scale: the calibration rule that puts
+    every measure at the same typical loss increase.
+
+    >>> calibrated_index(np.array([[1e-4, 2e-4], [1e-3, 3e-3], [1e-2, 1e-2]]), 2e-3)
+    1
+    """
+    medians = np.median(np.asarray(values, dtype=np.float64), axis=1)
+    distance = np.abs(np.log(np.maximum(medians, 1e-300)) - np.log(target))
+    return int(np.argmin(distance))
+
+
+def tau_difference(
+    a: np.ndarray,
+    b: np.ndarray,
+    target: Sequence[float],
+    select_a: Callable[[np.ndarray], int] | None = None,
+    select_b: Callable[[np.ndarray], int] | None = None,
+    absolute: bool = False,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> BootstrapCI:
+    """``tau(a, target) - tau(b, target)`` with a paired bootstrap over models.
+
+    ``a`` and ``b`` are the two measures' values, ``(radii, models)`` (or ``(models,)``
+    for one radius each); ``select_a``/``select_b`` pick the radius from the models at
+    hand (e.g. ``lambda v: calibrated_index(v, 1e-2)``) and are applied again inside
+    every resample, so that the interval includes the radius choice. Both taus are
+    taken on the same resampled models, which is what makes the difference's interval
+    narrower than the two taus' intervals suggest. ``absolute`` compares ``|tau|``.
+
+    >>> gap = np.arange(8.0)
+    >>> ci = tau_difference(gap + 0.1, gap[::-1], gap, n_boot=100)
+    >>> ci.estimate, ci.low, ci.high
+    (2.0, 2.0, 2.0)
+    """
+    a2, b2 = (np.atleast_2d(np.asarray(x, dtype=np.float64)) for x in (a, b))
+    target = np.asarray(target, dtype=np.float64)
+    if a2.shape[1] != target.size or b2.shape[1] != target.size:
+        raise ValueError("a, b (radii x models) and target must have the same number of models")
+    pick_a = select_a or (lambda v: 0)
+    pick_b = select_b or (lambda v: 0)
+    if (a2.shape[0] > 1 and select_a is None) or (b2.shape[0] > 1 and select_b is None):
+        raise ValueError("several radii need select_a/select_b to choose one")
+
+    def statistic(at: np.ndarray, bt: np.ndarray, g: np.ndarray) -> float:
+        ta = kendall_tau(at[:, pick_a(at.T)], g, "b")
+        tb = kendall_tau(bt[:, pick_b(bt.T)], g, "b")
+        return abs(ta) - abs(tb) if absolute else ta - tb
+
+    return bootstrap_ci(statistic, a2.T, b2.T, target, n_boot=n_boot, level=level, seed=seed)
+
+
+def granulated_tau(
+    values: Sequence[float], gap: Sequence[float], hps: list[dict], axes: Sequence[str]
+) -> dict:
+    """Granulated Kendall tau (Jiang et al. 2019) for randomly sampled hyperparameters.
+
+    Jiang et al. average, for each axis ``k``, Kendall's tau over groups of models whose
+    other hyperparameters are all equal, then average over axes. With random
+    hyperparameters such groups are rare, so for axis ``k`` we take the pairs of models
+    that differ in axis ``k`` and in the *fewest* other axes present in the zoo
+    (``m_k`` others; ``m_k = 0`` is Jiang's exact setting), and let
+
+        tau_k = mean over those pairs of sign(value_i - value_j) sign(gap_i - gap_j).
+
+    On a full grid this equals Jiang's tau_k (every group along axis ``k`` has the same
+    number of pairs). Returns ``{"per_axis": {k: {tau, pairs, other_axes_differing}},
+    "granulated": mean of the tau_k}``; an axis with a single value in the zoo is left out.
+
+    >>> hps = [{"lr": 1, "wd": 0}, {"lr": 2, "wd": 0}, {"lr": 1, "wd": 1}]
+    >>> granulated_tau([1.0, 2.0, 3.0], [1.0, 2.0, 0.0], hps, ["lr", "wd"])["per_axis"]["lr"]
+    {'tau': 1.0, 'pairs': 1, 'other_axes_differing': 0}
+    """
+    v, g = np.asarray(values, float), np.asarray(gap, float)
+    n = len(v)
+    per_axis = {}
+    for k in axes:
+        pairs, best_m = [], None
+        for i in range(n):
+            for j in range(i + 1, n):
+                if hps[i][k] == hps[j][k]:
+                    continue
+                m = sum(hps[i][a] != hps[j][a] for a in axes if a != k)
+                if best_m is None or m < best_m:
+                    best_m, pairs = m, [(i, j)]
+                elif m == best_m:
+                    pairs.append((i, j))
+        if not pairs:
+            continue
+        s = [np.sign(v[i] - v[j]) * np.sign(g[i] - g[j]) for i, j in pairs]
+        per_axis[k] = dict(tau=float(np.mean(s)), pairs=len(pairs), other_axes_differing=best_m)
+    taus = [d["tau"] for d in per_axis.values()]
+    return dict(per_axis=per_axis, granulated=float(np.mean(taus)) if taus else float("nan"))

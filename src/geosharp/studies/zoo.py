@@ -42,6 +42,7 @@ from ..data import move_batch
 from ..errors import UsageError
 from ..io import write_json_atomic, write_text_atomic
 from .figures import require_matplotlib
+from .stats import granulated_tau
 
 __all__ = [
     "PRESETS",
@@ -701,8 +702,7 @@ def measure_grid(
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,
-                **sharpness_kwargs,
-                **measure_kwargs(name),
+                **{**sharpness_kwargs, **measure_kwargs(name)},  # attention-only measures
             )
             per_rho[repr(rho)] = dict(
                 value=res.value,
@@ -717,45 +717,6 @@ def measure_grid(
 
 
 # --------------------------------------------------------------------------- report
-
-
-def granulated_tau(
-    values: Sequence[float], gap: Sequence[float], hps: list[dict], axes: Sequence[str]
-) -> dict:
-    """Granulated Kendall tau (Jiang et al. 2019) for randomly sampled hyperparameters.
-
-    Jiang et al. average, for each axis ``k``, Kendall's tau over groups of models whose
-    other hyperparameters are all equal, then average over axes. With random
-    hyperparameters such groups are rare, so for axis ``k`` we take the pairs of models
-    that differ in axis ``k`` and in the *fewest* other axes present in the zoo
-    (``m_k`` others; ``m_k = 0`` is Jiang's exact setting), and let
-
-        tau_k = mean over those pairs of sign(value_i - value_j) sign(gap_i - gap_j).
-
-    On a full grid this equals Jiang's tau_k (every group along axis ``k`` has the same
-    number of pairs). Returns ``{"per_axis": {k: {tau, pairs, other_axes_differing}},
-    "granulated": mean of the tau_k}``; an axis with a single value in the zoo is left out.
-    """
-    v, g = np.asarray(values, float), np.asarray(gap, float)
-    n = len(v)
-    per_axis = {}
-    for k in axes:
-        pairs, best_m = [], None
-        for i in range(n):
-            for j in range(i + 1, n):
-                if hps[i][k] == hps[j][k]:
-                    continue
-                m = sum(hps[i][a] != hps[j][a] for a in axes if a != k)
-                if best_m is None or m < best_m:
-                    best_m, pairs = m, [(i, j)]
-                elif m == best_m:
-                    pairs.append((i, j))
-        if not pairs:
-            continue
-        s = [np.sign(v[i] - v[j]) * np.sign(g[i] - g[j]) for i, j in pairs]
-        per_axis[k] = dict(tau=float(np.mean(s)), pairs=len(pairs), other_axes_differing=best_m)
-    taus = [d["tau"] for d in per_axis.values()]
-    return dict(per_axis=per_axis, granulated=float(np.mean(taus)) if taus else float("nan"))
 
 
 def _load_zoo(preset: ZooPreset, out: str | Path) -> tuple[list[dict], list[dict]]:
@@ -992,7 +953,7 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
         "",
         "Granulated tau: per hyperparameter axis, the mean of sign(d measure) sign(d gap) over "
         "the pairs of models that differ in that axis and in the fewest other axes; averaged "
-        "over axes (see `geosharp.studies.zoo.granulated_tau`).",
+        "over axes (see `geosharp.studies.stats.granulated_tau`).",
         "",
     ]
     if figures:
