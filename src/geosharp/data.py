@@ -26,6 +26,7 @@ __all__ = [
     "ImageData",
     "LabelledTexts",
     "TextData",
+    "image_folder_items",
     "is_datasets_dir",
     "is_image_folder",
     "load_digits",
@@ -245,14 +246,9 @@ def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
     return [data[i] for i in range(n)]
 
 
-def load_image_folder(
-    root: str | Path, size: int, channels: int, limit: int | None = None, seed: int = 0
-) -> tuple[ImageData, list[str]]:
-    """Images from ``root/<class>/<image>`` (classes in sorted order), resized to
-    ``size x size`` with ``channels`` channels, in [0, 1]; and the class names. With
-    ``limit``, a seeded random subset of that many images."""
-    from PIL import Image
-
+def image_folder_items(root: str | Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    """``[(image file, class index)]`` of ``root/<class>/<image>`` (classes and files in
+    sorted order), and the class names."""
     root = Path(root)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     items = [
@@ -261,6 +257,18 @@ def load_image_folder(
         for f in sorted((root / name).iterdir())
         if f.suffix.lower() in IMAGE_SUFFIXES
     ]
+    return items, classes
+
+
+def load_image_folder(
+    root: str | Path, size: int, channels: int, limit: int | None = None, seed: int = 0
+) -> tuple[ImageData, list[str]]:
+    """Images from ``root/<class>/<image>`` (classes in sorted order), resized to
+    ``size x size`` with ``channels`` channels, in [0, 1]; and the class names. With
+    ``limit``, a seeded random subset of that many images."""
+    from PIL import Image
+
+    items, classes = image_folder_items(root)
     if not items:
         raise UsageError(f"{root} has no images in class sub-directories (root/<class>/<image>)")
     if limit is not None and limit < len(items):

@@ -163,14 +163,14 @@ def sharpness(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
     geo = Geometry.named(geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step)
+    pairs_only = isinstance(parameters, str) and parameters == "pairs"
     if rho is None:
-        rho = default_rho(geometry, metric, p, parameters if isinstance(parameters, str) else None)
+        rho = default_rho(geometry, metric, p, "pairs" if pairs_only else None)
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
-    parameters_arg = parameters
     if symmetries is None:
         symmetries = find_symmetries(model)
-    if isinstance(parameters, str) and parameters == "pairs":
+    if pairs_only:
         parameters = _pair_parameters(model, symmetries)
     named = _perturbed_parameters(model, parameters)
     pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
@@ -190,7 +190,7 @@ def sharpness(
         p=p,
         elementwise_step=elementwise_step,
         n_pairs=len(pairs),
-        parameters="pairs" if isinstance(parameters_arg, str) else None,
+        parameters="pairs" if pairs_only else None,
         autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
         dtype=str(theta.dtype).removeprefix("torch."),
     )

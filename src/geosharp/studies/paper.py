@@ -56,7 +56,6 @@ __all__ = [
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png", ".bmp", ".webp"}
 MNLI_LABELS = ("contradiction", "entailment", "neutral")  # GLUE's order
 
 
@@ -187,14 +186,9 @@ def imagenet_batches(
     seeded subset of ``n_images`` images (all when ``None``)."""
     from PIL import Image
 
-    root = Path(root)
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    items = [
-        (f, c)
-        for c, name in enumerate(classes)
-        for f in sorted((root / name).iterdir())
-        if f.suffix.lower() in IMAGE_SUFFIXES
-    ]
+    from ..data import image_folder_items
+
+    items, _ = image_folder_items(root)
     if n_images is not None and n_images < len(items):
         keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:n_images]
         items = [items[int(i)] for i in sorted(keep.tolist())]

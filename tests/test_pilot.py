@@ -1,0 +1,42 @@
+"""The study pilot: linearity ratios tell the first-order regime from curvature."""
+
+import pytest
+import torch
+from torch import nn
+
+from geosharp.studies.pilot import maximiser_check, primary_factor, radius_pilot
+from zoo import encoder_case
+
+
+def _least_squares_at_its_minimum():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=gen, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.3 * torch.randn(
+        64, generator=gen, dtype=torch.float64
+    )
+    model = nn.Linear(3, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.linalg.lstsq(x, y.unsqueeze(1)).solution.T)
+    return model, [(x, y)], lambda m, b: ((m(b[0]).squeeze(1) - b[1]) ** 2).mean()
+
+
+def test_ratio_is_four_at_a_minimum_and_two_away_from_it():
+    model, batches, loss = _least_squares_at_its_minimum()
+    at_min = radius_pilot(model, batches, loss, ["adaptive"], factors=(1, 2, 4), n_iters=10)
+    assert at_min["adaptive"]["ratio"] == pytest.approx([4.0, 4.0], rel=1e-3)  # quadratic
+    assert primary_factor(at_min["adaptive"]) == 1
+
+    case = encoder_case()  # random weights: far from a minimum, small radii
+    away = radius_pilot(
+        case.model, case.batches, case.loss_fn, ["adaptive"], factors=(0.01, 0.02), n_iters=5
+    )
+    assert away["adaptive"]["ratio"][0] == pytest.approx(2.0, rel=0.05)  # linear
+    assert primary_factor(away["adaptive"]) is None
+    with pytest.raises(ValueError, match="double"):
+        radius_pilot(model, batches, loss, ["adaptive"], factors=(1, 3))
+
+
+def test_maximiser_check_on_a_quadratic():
+    model, batches, loss = _least_squares_at_its_minimum()
+    check = maximiser_check(model, batches, loss, "adaptive", rho=0.05, n_iters=10, long_iters=30)
+    assert check["value"] > 0 and check["move_long"] < 0.02 and check["move_starts"] < 0.02
