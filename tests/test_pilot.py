@@ -40,3 +40,30 @@ def test_maximiser_check_on_a_quadratic():
     model, batches, loss = _least_squares_at_its_minimum()
     check = maximiser_check(model, batches, loss, "adaptive", rho=0.05, n_iters=10, long_iters=30)
     assert check["value"] > 0 and check["move_long"] < 0.02 and check["move_starts"] < 0.02
+
+
+def test_pilot_command_writes_its_record(tmp_path, monkeypatch, capsys):
+    import json
+
+    from transformers import BertConfig, BertModel
+
+    from geosharp.cli import main
+    from geosharp.studies import zoo
+
+    def tiny_train_one(hp, kind, n_test, device=None):
+        torch.manual_seed(0)
+        config = BertConfig(
+            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+        )
+        model = zoo.MeanPoolClassifier(BertModel(config, add_pooling_layer=False)).eval()
+        return model, {"train_error": 0.5, "hyperparameters": hp}
+
+    monkeypatch.setattr(zoo, "train_one", tiny_train_one)
+    argv = ["study", "pilot", "--out", str(tmp_path), "--factors", "1", "2", "--n-points", "8"]
+    assert main([*argv, "--n-iters", "2", "--long-iters", "3", "--starts", "2"]) == 0
+    record = json.loads((tmp_path / "pilot.json").read_text())
+    assert set(record["radius_pilot"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
+    for check in record["maximiser"].values():
+        assert check["value"] > 0 and check["starts"] == 2 and check["long_iters"] == 3
+    assert record["unperturbed"] == ["bert.embeddings.word_embeddings.weight"]
+    assert "maximiser" in json.loads(capsys.readouterr().out)

@@ -364,6 +364,7 @@ def test_image_folder(vit_dir, tmp_path, capsys):
         (["study", "diagonal"], "--networks"),
         (["study", "toy"], "--lim"),
         (["study", "paper"], "--checkpoints"),
+        (["study", "pilot"], "--factors"),
         (["zoo"], "--preset"),
     ],
 )

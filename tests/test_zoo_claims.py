@@ -60,3 +60,20 @@ def test_vision_zoo_gap_follows_label_noise():
     measured = {m: grid[m][DEFAULT_RHO[m]] for m in MAIN}
     diff = tau_difference(measured["geodesic-inv"], measured["adaptive"], gap, n_boot=1000)
     assert [round(x, 2) for x in (diff.estimate, diff.low, diff.high)] == [0.21, 0.02, 0.41]
+
+
+def test_pilot_numbers_in_the_docs():
+    import json
+
+    from geosharp.studies.pilot import primary_factor
+
+    record = json.loads((RESULTS.parent / "study" / "pilot" / "pilot.json").read_text())
+    assert record["metrics"]["train_error"] == 0.005
+    pilot = record["radius_pilot"]
+    expected = {"adaptive": 8.0, "geodesic-inv": 1.0, "geodesic-mix": 8.0}
+    assert {m: primary_factor(e) for m, e in pilot.items()} == expected
+    assert [round(r, 2) for r in pilot["adaptive"]["ratio"]] == [2.09, 2.26, 2.95, 4.36, 5.29]
+    assert [round(r, 2) for r in pilot["geodesic-inv"]["ratio"]] == [5.06, 3.18, 1.54, 1.18, 1.04]
+    assert [round(r, 2) for r in pilot["geodesic-mix"]["ratio"]] == [2.12, 2.32, 2.97, 4.25, 4.87]
+    for check in record["maximiser"].values():
+        assert check["move_long"] < 1e-6 and check["move_starts"] < 1e-6

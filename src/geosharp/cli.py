@@ -26,6 +26,7 @@ STUDIES = {
     "diagonal": "geosharp.studies.diagonal",
     "toy": "geosharp.studies.toy",
     "paper": "geosharp.studies.paper",
+    "pilot": "geosharp.studies.pilot",
 }
 ZOO = "geosharp.studies.zoo"
 
