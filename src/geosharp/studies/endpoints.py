@@ -1,0 +1,215 @@
+"""The endpoints of a sharpness study, fixed before any gap is looked at.
+
+A :class:`Protocol` is written down first: the inclusion rule (training error at most
+``max_train_error``), the calibration target (the median loss increase every measure
+is brought to), and the measurement settings. :func:`endpoints` then turns one row per
+model into the study's ``endpoints.json``:
+
+* **excluded** models, each with its reason (never dropped silently);
+* per measure, the **calibrated radius** (the grid radius whose median loss increase is
+  closest to the target, :func:`~geosharp.studies.stats.calibrated_index`), the median
+  linearity ratio ``s(2 rho) / s(rho)`` there, Kendall's tau with the gap and its
+  bootstrap interval, and the partial tau given the training loss;
+* the **primary endpoint**, ``tau(geodesic) - tau(adaptive)`` by a paired bootstrap
+  over models with the radius re-selected inside every resample
+  (:func:`~geosharp.studies.stats.tau_difference`), also in ``|tau|``; and the same
+  difference at every grid factor (secondary);
+* the **baselines** (training loss, training error, gradient norm, ... whichever the
+  rows carry) with their taus, in the same table.
+
+Every value is recomputable from the rows (``models.csv``) with this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .stats import calibrated_index, kendall_tau_with_ci, partial_tau, tau_difference
+
+__all__ = ["BASELINES", "Protocol", "endpoints", "plot_tau_curves", "tau_curves"]
+
+# Columns of a model row that are reported as trivial baselines when present.
+BASELINES = (
+    "train_loss",
+    "train_error",
+    "grad_norm",
+    "weight_norm",
+    "distance_from_init",
+    "lr",
+)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What is fixed before the gaps are seen."""
+
+    population: str
+    target: float  # median loss increase that every measure is calibrated to
+    n_points: int
+    batch_size: int
+    n_iters: int
+    starts: int | str = "zero"
+    max_train_error: float = 0.05
+    reference: str = "adaptive"  # the measure the geodesic ones are compared with
+    n_boot: int = 2000
+    seed: int = 0
+
+
+def _grid(row: dict, measure: str) -> dict[float, float]:
+    return {float(r): float(v) for r, v in row["measures"][measure].items()}
+
+
+def _exclusions(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str]) -> list:
+    excluded = []
+    for row in rows:
+        if not row["train_error"] <= protocol.max_train_error:
+            excluded.append(
+                dict(
+                    id=row["id"],
+                    reason=f"training error {row['train_error']:.3g} > "
+                    f"{protocol.max_train_error:g}",
+                )
+            )
+            continue
+        missing = [m for m in measures if m not in row.get("measures", {})]
+        bad = [
+            m
+            for m in measures
+            if m not in missing and not all(map(math.isfinite, _grid(row, m).values()))
+        ]
+        if missing or bad:
+            excluded.append(
+                dict(id=row["id"], reason=f"missing or non-finite values: {missing + bad}")
+            )
+    return excluded
+
+
+def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str]) -> dict:
+    """The study's endpoints from one row per model.
+
+    A row holds ``id``, ``train_error``, ``train_loss``, ``error_gap``, optional
+    baseline columns (:data:`BASELINES`) and ``measures: {name: {rho: value}}``; every
+    measure must have the same grid *factors* on every model (radii may differ between
+    measures). Returns the ``endpoints.json`` dictionary.
+    """
+    excluded = _exclusions(rows, protocol, measures)
+    out_ids = {e["id"] for e in excluded}
+    kept = [r for r in rows if r["id"] not in out_ids]
+    if len(kept) < 3:
+        raise ValueError(f"{len(kept)} models pass the inclusion rule; a rank study needs more")
+    gap = np.array([r["error_gap"] for r in kept], dtype=np.float64)
+    loss = np.array([r["train_loss"] for r in kept], dtype=np.float64)
+    boot = dict(n_boot=protocol.n_boot, seed=protocol.seed)
+
+    radii, values = {}, {}
+    for m in measures:
+        radii[m] = sorted(_grid(kept[0], m))
+        values[m] = np.array([[_grid(r, m)[rho] for r in kept] for rho in radii[m]])
+
+    def select(v: np.ndarray) -> int:  # the radius rule, applied again in every resample
+        return calibrated_index(v, protocol.target)
+
+    result: dict = dict(
+        population=protocol.population,
+        protocol=asdict(protocol),
+        n_models=len(kept),
+        n_excluded=len(excluded),
+        excluded=excluded,
+        n_points=protocol.n_points,
+        batch_size=protocol.batch_size,
+        n_iters=protocol.n_iters,
+        starts=protocol.starts,
+        measures={},
+        differences={},
+        differences_by_factor={},
+        baselines={},
+    )
+    for m in measures:
+        k = calibrated_index(values[m], protocol.target)
+        rho = radii[m][k]
+        ratio = None  # JSON null when 2 rho is not on the grid
+        if 2 * rho in radii[m]:
+            ratio = float(np.median(values[m][radii[m].index(2 * rho)] / values[m][k]))
+        ci = kendall_tau_with_ci(values[m][k], gap, **boot)
+        result["measures"][m] = dict(
+            rho=rho,
+            median_loss_increase=float(np.median(values[m][k])),
+            median_ratio_2rho=ratio,
+            tau=ci.estimate,
+            ci=[ci.low, ci.high],
+            partial_tau_given_train_loss=partial_tau(values[m][k], gap, loss),
+        )
+    ref = protocol.reference
+    for m in measures:
+        if m == ref or ref not in measures:
+            continue
+        name = f"{m} minus {ref}"
+        diff = tau_difference(values[m], values[ref], gap, select, select, **boot)
+        absolute = tau_difference(
+            values[m], values[ref], gap, select, select, absolute=True, **boot
+        )
+        result["differences"][name] = dict(
+            tau_diff=diff.estimate,
+            ci=[diff.low, diff.high],
+            abs_tau_diff=absolute.estimate,
+            abs_ci=[absolute.low, absolute.high],
+        )
+        if len(radii[m]) == len(radii[ref]):
+            by_factor = {}
+            for i in range(len(radii[m])):
+                d = tau_difference(values[m][i], values[ref][i], gap, **boot)
+                by_factor[f"{radii[m][i]:g} vs {radii[ref][i]:g}"] = dict(
+                    tau_diff=d.estimate, ci=[d.low, d.high]
+                )
+            result["differences_by_factor"][name] = by_factor
+    for column in BASELINES:
+        if all(column in r for r in kept):
+            x = np.array([r[column] for r in kept], dtype=np.float64)
+            ci = kendall_tau_with_ci(x, gap, **boot)
+            result["baselines"][column] = dict(tau=ci.estimate, ci=[ci.low, ci.high])
+    return result
+
+
+def tau_curves(rows: Sequence[dict], measures: Sequence[str], n_boot: int = 500) -> dict:
+    """Per measure and grid radius: the median loss increase and Kendall's tau with the
+    gap (with its bootstrap interval), for the plot of tau against loss increase."""
+    gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
+    curves = {}
+    for m in measures:
+        points = []
+        for rho in sorted(_grid(rows[0], m)):
+            v = np.array([_grid(r, m)[rho] for r in rows])
+            ci = kendall_tau_with_ci(v, gap, n_boot=n_boot)
+            points.append(
+                dict(rho=rho, median=float(np.median(v)), tau=ci.estimate, ci=[ci.low, ci.high])
+            )
+        curves[m] = points
+    return curves
+
+
+def plot_tau_curves(curves: dict, path) -> None:
+    """Kendall's tau against the median loss increase, one line with a band per measure."""
+    from .figures import require_matplotlib, save_png
+
+    require_matplotlib()
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for i, (m, points) in enumerate(curves.items()):
+        x = [p["median"] for p in points]
+        ax.plot(x, [p["tau"] for p in points], "o-", color=f"C{i}", label=m, markersize=3)
+        ax.fill_between(
+            x, [p["ci"][0] for p in points], [p["ci"][1] for p in points], color=f"C{i}", alpha=0.15
+        )
+    ax.axhline(0.0, color="0.5", linewidth=0.7)
+    ax.set_xscale("log")
+    ax.set_xlabel("median loss increase over the models")
+    ax.set_ylabel("Kendall tau with the error gap")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
