@@ -113,3 +113,10 @@ def test_trainer_callback_logs_with_the_trainer_s_metrics(tmp_path):
 
     metrics = trainer.evaluate(eval_dataset=train)  # at_evaluate: added to the metrics
     assert "sharpness/geodesic-inv" in metrics and "eval_loss" in metrics
+
+    # passed in callbacks=[...] without attach: the values still reach the log history
+    plain = SharpnessCallback(batches, measures=["adaptive"], every_n_steps=4, n_iters=1)
+    again = Trainer(model=model, args=args, train_dataset=train, callbacks=[plain])
+    again.train()
+    history = [e for e in again.state.log_history if "sharpness/adaptive" in e]
+    assert [e["step"] for e in history] == [4] and len(plain.history) == 1

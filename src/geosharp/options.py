@@ -22,8 +22,11 @@ __all__ = [
     "add_device",
     "add_json",
     "add_seed",
+    "at_least_one",
+    "autocast_dtype",
     "check_device",
     "check_output_path",
+    "note",
     "positive_float",
     "positive_int",
 ]
