@@ -139,3 +139,39 @@ def test_tau_difference_is_paired_and_reselects_the_radius():
     assert absolute.estimate == 0.0
     with pytest.raises(ValueError, match="select"):
         tau_difference(grid, grid, gap)
+
+
+def test_star_design_gives_exact_one_axis_groups_and_a_granulated_tau_with_ci():
+    from geosharp.studies.design import star_design
+    from geosharp.studies.stats import granulated_tau, granulated_tau_ci, grouped_granulated_tau
+
+    rng = np.random.default_rng(0)
+    bases = [{"lr": lr, "wd": wd, "bs": 32} for lr, wd in [(1, 0), (2, 0.1), (3, 0), (1, 0.1)]]
+    configs, groups = star_design(bases, {"lr": [1, 2, 3], "wd": [0, 0.1], "bs": [16, 64]})
+    assert len(configs) == 4 * (1 + 2 + 1 + 2)
+    for b, by_axis in enumerate(groups):
+        for axis, members in by_axis.items():
+            base = configs[members[0]]
+            assert base["varied"] is None and base["base"] == b
+            for i in members[1:]:  # differs from its base in `axis` alone
+                diff = {k for k in ("lr", "wd", "bs") if configs[i][k] != base[k]}
+                assert diff == {axis} and configs[i]["varied"] == axis
+
+    gap = np.array([c["lr"] + 10 * c["wd"] + c["bs"] / 16 for c in configs]) + rng.normal(
+        scale=0.01, size=len(configs)
+    )
+    same = granulated_tau_ci(gap, gap, groups, n_boot=200)
+    assert same.estimate == same.low == same.high == 1.0
+    assert granulated_tau_ci(-gap, gap, groups, n_boot=200).estimate == -1.0
+    noise = granulated_tau_ci(rng.normal(size=len(configs)), gap, groups, n_boot=200)
+    assert noise.low < 0 < noise.high
+    # on a star design the pair-based variant agrees with the exact one for a perfect measure
+    hps = [{k: c[k] for k in ("lr", "wd", "bs")} for c in configs]
+    assert granulated_tau(gap, gap, hps, ["lr", "wd", "bs"])["granulated"] == 1.0
+    by_axis = {}
+    for g in groups:
+        for axis, idx in g.items():
+            by_axis.setdefault(axis, []).append(idx)
+    assert grouped_granulated_tau(gap, gap, by_axis)["per_axis"]["lr"]["groups"] == 4
+    with pytest.raises(ValueError, match="no value"):
+        star_design([{"lr": 1}], {"wd": [0.1]})
