@@ -247,3 +247,26 @@ def test_paper_driver_under_torchrun(tmp_path):
     run_python(["-m", "geosharp.cli", *argv, "--out", str(shared)], 2, cwd=tmp_path)
     for name in ("summary.json", *(f"measures/bert-{i}.json" for i in range(3))):
         assert (single / name).read_bytes() == (shared / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "setting, n_points, batch_size", [("clip", 2048, 256), ("bert", 1024, 128)]
+)
+def test_drivers_default_to_the_paper_protocol(
+    setting, n_points, batch_size, tmp_path, monkeypatch
+):
+    from geosharp.cli import main
+    from geosharp.studies import paper
+
+    seen = {}
+
+    def fake_run_paper(args):
+        seen.update(n_points=args.n_points, batch_size=args.batch_size)
+        return {"taus": {}, "n_models": 0}
+
+    monkeypatch.setattr(paper, "run_paper", fake_run_paper)
+    argv = ["study", "paper", setting, "--checkpoints", str(tmp_path), "--data", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen == dict(n_points=n_points, batch_size=batch_size)
+    assert main([*argv, "--n-points", "8", "--batch-size", "4"]) == 0
+    assert seen == dict(n_points=8, batch_size=4)

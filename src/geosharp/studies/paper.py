@@ -405,8 +405,14 @@ def add_arguments(p) -> None:
     p.add_argument("--config", help="CLIPVisionConfig directory for model-soups .pt files")
     p.add_argument("--gaps", help="CSV with columns checkpoint,gap for the Kendall taus")
     p.add_argument("--out", default="runs/paper", help="results directory (runs/paper)")
-    p.add_argument("--n-points", type=positive_int, default=256, help="data points (256)")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="batch size (64)")
+    p.add_argument(
+        "--n-points",
+        type=positive_int,
+        help="training points (the paper's protocol: clip 2048, bert 1024)",
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, help="batch size (the paper's: clip 256, bert 128)"
+    )
     p.add_argument("--n-iters", type=positive_int, default=20, help="Auto-PGD steps (20)")
     p.add_argument(
         "--measures", nargs="+", choices=list(MEASURES), default=list(ALL_MEASURES), metavar="M"
@@ -436,11 +442,22 @@ def main(argv=None) -> int:
     return run(_parser().parse_args(argv))
 
 
+# The paper's protocol: sharpness on training points, in batches, per setting.
+PAPER_PROTOCOL = {
+    "clip": dict(n_points=2048, batch_size=256),
+    "bert": dict(n_points=1024, batch_size=128),
+}
+
+
 def run(args) -> int:
-    """Run the driver for parsed options; paths and the device are checked first."""
+    """Run the driver for parsed options; paths and the device are checked first. Points
+    and batch size default to the paper's protocol (``PAPER_PROTOCOL``)."""
     from ..errors import MissingInputError
     from ..options import check_device
 
+    for key, value in PAPER_PROTOCOL[args.setting].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     check_device(args.device)
     for option in ("checkpoints", "data", "gaps", "config"):
         value = getattr(args, option)
