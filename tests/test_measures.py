@@ -311,3 +311,13 @@ def test_attention_only_measures_perturb_the_pairs_alone(small):
         geosharp.sharpness(
             nn.Linear(3, 1), [torch.ones(2, 3)], lambda m, b: m(b).sum(), parameters="pairs"
         )
+
+
+def test_a_named_measure_is_its_keyword_arguments(small):
+    run = lambda **k: geosharp.sharpness(small.model, small.batches, small.loss_fn, n_iters=2, **k)  # noqa: E731
+    for name in ("geodesic-mix", "adaptive-linf", "adaptive-attn"):
+        named = run(measure=name)
+        assert named.value == run(**measure_kwargs(name)).value
+        assert named.rho == geosharp.DEFAULT_RHO[name]
+    with pytest.raises(ValueError, match="unknown measure"):
+        run(measure="sharpest")

@@ -245,7 +245,7 @@ def run_measure(args) -> int:
     from . import distributed as gd
     from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
     from .io import write_json_atomic
-    from .measures import measure_kwargs, sharpness
+    from .measures import sharpness
     from .symmetry import find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -298,7 +298,7 @@ def run_measure(args) -> int:
             progress=not args.quiet and rank == 0,
             autocast_dtype=autocast_dtype(args.autocast),
             distributed=world > 1,
-            **measure_kwargs(name),
+            measure=name,
         )
         row = result.to_dict()
         row.update(measure=name, seconds=time.perf_counter() - start)

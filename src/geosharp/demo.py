@@ -18,7 +18,7 @@ import torch
 
 from .data import load_digits
 from .io import write_json_atomic
-from .measures import DEFAULT_RHO, measure_kwargs, sharpness
+from .measures import DEFAULT_RHO, sharpness
 from .models.vit import (
     accuracy_and_loss,
     image_batches,
@@ -98,7 +98,7 @@ def run_demo(
                 net,
                 batches,
                 image_loss,
-                **measure_kwargs(name),
+                measure=name,
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,

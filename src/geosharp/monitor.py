@@ -99,7 +99,8 @@ class SharpnessMonitor:
                 n_iters=self.n_iters,
                 seed=self.seed,
                 symmetries=symmetries,
-                **{**self.options, **measure_kwargs(name)},
+                measure=name,
+                **self.options,
             )
             metrics[self.prefix + name] = result.value
         metrics[self.prefix + "loss"] = result.loss

@@ -95,6 +95,7 @@ def sharpness(
     progress: bool = False,
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
+    measure: str | None = None,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
 
@@ -143,6 +144,9 @@ def sharpness(
             ``batches``, measures batches ``rank, rank + world_size, ...`` and receives
             the full result, identical to a single-process run (see
             :mod:`geosharp.distributed`).
+        measure: a named measure of :data:`geosharp.measures.MEASURES`
+            (``"geodesic-inv"``, ``"adaptive-attn"``, ...); it sets ``geometry``,
+            ``metric``, ``p`` and, for the ``*-attn`` measures, ``parameters``.
 
     Half-precision (``bfloat16``/``float16``) models are measured in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
@@ -154,8 +158,12 @@ def sharpness(
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
     batch's value does not depend on which process measures it.
     """
-    from .catalog import default_rho
+    from .catalog import default_rho, measure_kwargs
 
+    if measure is not None:
+        spec = measure_kwargs(measure)
+        geometry, metric = spec["geometry"], spec.get("metric", metric)
+        p, parameters = spec.get("p", 2.0), spec.get("parameters", parameters)
     _check_arguments(kind, n_iters, n_samples)
     n_starts, first_random = _starts(starts, random_start)
     if autocast_dtype not in (None, torch.bfloat16, torch.float16):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..measures import DEFAULT_RHO, measure_kwargs, sharpness
+from ..measures import DEFAULT_RHO, sharpness
 
 __all__ = ["maximiser_check", "primary_factor", "radius_pilot"]
 
@@ -51,10 +51,11 @@ def radius_pilot(
                 model,
                 batches,
                 loss_fn,
+                measure=name,
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,
-                **{**sharpness_kwargs, **measure_kwargs(name)},
+                **sharpness_kwargs,
             ).value
             for rho in rhos
         ]
@@ -97,9 +98,10 @@ def maximiser_check(
             model,
             batches,
             loss_fn,
+            measure=measure,
             rho=rho,
             seed=seed,
-            **{**sharpness_kwargs, **measure_kwargs(measure)},
+            **sharpness_kwargs,
             **kwargs,
         ).value
 

@@ -687,7 +687,7 @@ def measure_grid(
     """Fill ``record["measures"][measure][repr(rho)]`` (value, per-batch values, loss,
     per-batch losses) for every ``(measure, rho)`` of ``grid`` not in it yet, rewriting
     ``path`` atomically after each; then mark the record ``complete``."""
-    from ..measures import measure_kwargs, sharpness
+    from ..measures import sharpness
 
     results = record.setdefault("measures", {})
     for name, radii in grid.items():
@@ -699,10 +699,11 @@ def measure_grid(
                 model,
                 batches,
                 loss_fn,
+                measure=name,
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,
-                **{**sharpness_kwargs, **measure_kwargs(name)},  # attention-only measures
+                **sharpness_kwargs,
             )
             per_rho[repr(rho)] = dict(
                 value=res.value,
