@@ -167,7 +167,14 @@ def load_batches(args, path: Path, config) -> list[dict]:
     """The measurement batches of ``--data`` for the model in ``path``; labels checked
     against the model's classes."""
     from . import data as datasets
-    from .hf import image_batches_for, is_vision, label_ids, load_tokenizer, text_batches_for
+    from .hf import (
+        check_label_range,
+        image_batches_for,
+        is_vision,
+        label_ids,
+        load_tokenizer,
+        text_batches_for,
+    )
 
     source, n = args.data, args.n_points
     kind = data_kind(source)
@@ -194,7 +201,7 @@ def load_batches(args, path: Path, config) -> list[dict]:
                 else datasets.load_fashion_mnist("train")
             )
         x, y = images.images[:n], images.labels[:n]
-        _check_label_range(y, classes)
+        check_label_range(y, classes)
         return list(image_batches_for(config, x, y, args.batch_size))
 
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
@@ -203,7 +210,7 @@ def load_batches(args, path: Path, config) -> list[dict]:
         order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
         texts = [text.texts[i] for i in order[:n]]
         labels = text.labels[order[:n]]
-        _check_label_range(labels, classes)
+        check_label_range(labels, classes)
     else:
         rows = datasets.read_texts(
             source, args.text_column, args.label_column, split=args.split, limit=n
@@ -212,16 +219,9 @@ def load_batches(args, path: Path, config) -> list[dict]:
     return list(text_batches_for(tokenizer, texts, labels, args.batch_size, args.max_length))
 
 
-def _check_label_range(labels: torch.Tensor, classes: int) -> None:
-    if classes and len(labels) and not (0 <= int(labels.min()) and int(labels.max()) < classes):
-        bad = int(labels.max()) if int(labels.max()) >= classes else int(labels.min())
-        raise UsageError(
-            f"label {bad} is outside the model's {classes} classes (0 to {classes - 1}): "
-            "use the labels the model was trained with"
-        )
-
-
 def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[dict]:
+    from .hf import check_label_range
+
     try:
         tensors = torch.load(source, weights_only=True)
     except Exception as err:  # any unreadable file is the user's to fix
@@ -233,7 +233,7 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[
             f"(found {type(tensors).__name__}); save e.g. {{'pixel_values': x, 'labels': y}}"
         )
     labels = tensors["labels"]
-    _check_label_range(labels, classes)
+    check_label_range(labels, classes)
     n = min(n, len(labels))
     return [
         {k: v[s : min(s + batch_size, n)] for k, v in tensors.items()}
@@ -243,6 +243,7 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[
 
 def run_measure(args) -> int:
     from . import distributed as gd
+    from .data import move_batch
     from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
     from .io import write_json_atomic
     from .measures import sharpness
@@ -273,7 +274,7 @@ def run_measure(args) -> int:
             f"{', '.join(loaded.new_parameters)} initialised at random (--seed {args.seed}); "
             "the values describe that random head"
         )
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    batches = [move_batch(b, device) for b in batches]
     symmetries = find_symmetries(model, warn=False)
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
     say(

@@ -232,7 +232,7 @@ def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise UsageError(
+        raise MissingDependencyError(
             f"{path} is a Hugging Face datasets directory: pip install datasets to read it"
         ) from None
     data = datasets.load_from_disk(str(path))
@@ -246,9 +246,12 @@ def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
     return [data[i] for i in range(n)]
 
 
-def image_folder_items(root: str | Path) -> tuple[list[tuple[Path, int]], list[str]]:
+def image_folder_items(
+    root: str | Path, limit: int | None = None, seed: int = 0
+) -> tuple[list[tuple[Path, int]], list[str]]:
     """``[(image file, class index)]`` of ``root/<class>/<image>`` (classes and files in
-    sorted order), and the class names."""
+    sorted order), and the class names. With ``limit``, a seeded random subset of that
+    many images, kept in that order."""
     root = Path(root)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     items = [
@@ -257,6 +260,9 @@ def image_folder_items(root: str | Path) -> tuple[list[tuple[Path, int]], list[s
         for f in sorted((root / name).iterdir())
         if f.suffix.lower() in IMAGE_SUFFIXES
     ]
+    if limit is not None and limit < len(items):
+        keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
+        items = [items[int(i)] for i in sorted(keep.tolist())]
     return items, classes
 
 
@@ -268,12 +274,9 @@ def load_image_folder(
     ``limit``, a seeded random subset of that many images."""
     from PIL import Image
 
-    items, classes = image_folder_items(root)
+    items, classes = image_folder_items(root, limit, seed)
     if not items:
         raise UsageError(f"{root} has no images in class sub-directories (root/<class>/<image>)")
-    if limit is not None and limit < len(items):
-        keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
-        items = [items[int(i)] for i in sorted(keep.tolist())]
     mode = {1: "L", 3: "RGB"}.get(channels)
     if mode is None:
         raise UsageError(f"image folders need a model with 1 or 3 input channels, not {channels}")

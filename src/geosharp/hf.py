@@ -21,6 +21,7 @@ from .errors import MissingInputError, UsageError
 
 __all__ = [
     "LoadedClassifier",
+    "check_label_range",
     "classification_loss",
     "example_inputs",
     "has_tokenizer",
@@ -185,6 +186,18 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def check_label_range(labels: Tensor, num_labels: int) -> None:
+    """An error naming the first label outside ``[0, num_labels)`` (no check when the
+    number of classes is unknown, 0)."""
+    outside = (labels < 0) | (labels >= num_labels)
+    if num_labels and bool(outside.any()):
+        bad = int(labels[outside][0])
+        raise UsageError(
+            f"label {bad} is outside the model's {num_labels} classes (0 to "
+            f"{num_labels - 1}): use the labels the model was trained with"
+        )
+
+
 def label_ids(labels: list, config, num_labels: int) -> Tensor:
     """Integer class ids of ``labels`` (ints, digit strings, or class names of the
     model's ``label2id``); an error when one lies outside ``[0, num_labels)``."""
@@ -206,13 +219,10 @@ def label_ids(labels: list, config, num_labels: int) -> Tensor:
                 f"label {label!r} is neither a class index nor one of the model's label names "
                 f"({known})"
             )
-        if not 0 <= value < num_labels:
-            raise UsageError(
-                f"label {label!r} is outside the model's {num_labels} classes (0 to "
-                f"{num_labels - 1}): use the labels the model was trained with"
-            )
         ids.append(value)
-    return torch.tensor(ids, dtype=torch.long)
+    ids = torch.tensor(ids, dtype=torch.long)
+    check_label_range(ids, num_labels)
+    return ids
 
 
 def classification_loss(model: nn.Module, batch: dict) -> Tensor:

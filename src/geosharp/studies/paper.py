@@ -188,10 +188,7 @@ def imagenet_batches(
 
     from ..data import image_folder_items
 
-    items, _ = image_folder_items(root)
-    if n_images is not None and n_images < len(items):
-        keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:n_images]
-        items = [items[int(i)] for i in sorted(keep.tolist())]
+    items, _ = image_folder_items(root, n_images, seed)
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         with_images = []
