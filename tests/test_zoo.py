@@ -240,3 +240,26 @@ def test_text_model_round_trip_and_symmetries(tmp_path):
     summary = geosharp.find_symmetries(loaded).summary()
     assert "query-key      GL(32) x 12 heads" in summary
     assert "value-output   GL(32) x 12 heads" in summary
+
+
+def test_seed_population_varies_only_the_seed():
+    """The seed preset: every model shares the pilot's recipe; only the seed differs,
+    and each measure has its own radius grid."""
+    from geosharp.measures import DEFAULT_RHO
+    from geosharp.studies.pilot import SEED_RECIPE
+
+    preset = zoo.get_preset("text", "seeds")
+    hps = zoo.sample_hyperparameters(preset)
+    assert len({hp["seed"] for hp in hps}) == len(hps) == preset.n_models
+    for hp in hps:
+        assert {k: v for k, v in hp.items() if k not in ("seed", "id")} == SEED_RECIPE
+    grids = {name: preset.rho_grid(name) for name in preset.measures}
+    assert grids["geodesic-inv"][-1] == DEFAULT_RHO["geodesic-inv"]
+    assert grids["adaptive"][0] == 2 * DEFAULT_RHO["adaptive"]
+
+
+def test_get_preset_names_the_choices():
+    from geosharp.errors import UsageError
+
+    with pytest.raises(UsageError, match="text/seeds"):
+        zoo.get_preset("vision", "seeds")
