@@ -27,7 +27,7 @@ from geosharp.symmetry import (
     find_symmetries,
     reparameterize,
 )
-from geosharp.symmetry.check import random_matrices
+from geosharp.symmetry.groups import random_matrices
 
 tf = pytest.importorskip("transformers")
 

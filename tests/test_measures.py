@@ -10,8 +10,8 @@ from torch.nn import functional as F
 
 import geosharp
 from geosharp.geometry import Geometry, PerturbationSpace
+from geosharp.layout import ParameterLayout
 from geosharp.measures import auto_pgd, checkpoints, measure_kwargs
-from geosharp.params import ParameterLayout
 from zoo import bert_case, encoder_case
 
 ALL_MEASURES = [
@@ -212,19 +212,24 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
     theta = layout.flatten({n: p.detach() for n, p in named})
     sym = geosharp.find_symmetries(small.model)
     space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named("geodesic", "mix"))
-    seen = []
+    seen, calls = [], []
     loss = geosharp.params.functional_loss(small.model, small.loss_fn)
 
-    def objective(xi):
-        seen.append(xi.clone())
-        xi = xi.detach().requires_grad_(True)
-        value = loss(layout.unflatten(space.retr(xi)), small.batches[0])
-        return value.detach(), torch.autograd.grad(value, xi)[0]
+    def loss_grad(point, out):
+        calls.append(1)
+        point = point.detach().requires_grad_(True)
+        value = loss(layout.unflatten(point), small.batches[0])
+        return value.detach(), out.copy_(torch.autograd.grad(value, point)[0])
+
+    def callback(event, i, xi):
+        if event == "step":
+            seen.append(xi.clone())
 
     rho = 0.02
-    best, best_xi, trace = auto_pgd(objective, space, rho, n_iters=12)
-    assert len(seen) == 13 and len(trace.losses) == 13
-    for xi in seen[1:]:
+    best, best_xi, trace = auto_pgd(loss_grad, space, rho, n_iters=12, callback=callback)
+    assert len(seen) == 12 and len(trace.losses) == 13
+    assert len(calls) == 13 + len(trace.restarts)  # a restart recomputes the gradient
+    for xi in seen:
         assert float(space.norm(xi)) <= rho * (1 + 1e-9)
         assert float(space.horizontal_residual(xi)) < 1e-9
     assert trace.best == sorted(trace.best)  # best-so-far is monotone

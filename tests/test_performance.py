@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -20,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import geosharp
 from geosharp.geometry import Geometry, PerturbationSpace, stack_pairs
-from geosharp.geometry import space as space_module
 from geosharp.geometry.pairs import InvMetric, MixMetric
+from geosharp.layout import ParameterLayout, gather_strided, strided_segments
 from geosharp.measures import apgd, auto_pgd
-from geosharp.params import ParameterLayout, functional_loss
+from geosharp.params import functional_loss
 from zoo import CASES, bert_case, encoder_case
 
 F64 = torch.float64
@@ -78,11 +77,11 @@ def test_strided_segments_random_layouts(seed):
         index[:, -1, :] = 15000 + b[:, -1, :] * h + c[:, -1, :]  # a bias row
     if seed % 5 == 0:
         index = torch.randint(0, 20000, (B, n, h), generator=gen)
-    segments = space_module.strided_segments(index)
+    segments = strided_segments(index)
     if segments is None:  # random indices, or rows repeating positions (sr = 0)
         assert seed % 5 == 0 or (sr == 0 and n > 1)
         return
-    out = space_module._gather_strided(flat, segments, index.shape)
+    out = gather_strided(flat, segments, index.shape)
     assert torch.equal(out, flat[index])
 
 
@@ -131,20 +130,19 @@ def test_pair_kernels_match_reference(metric, seed):
         torch.randn(state.H.shape, generator=gen, dtype=F64),
     )
 
-    accel, saved = space_module._acceleration(state, x)
+    accel, saved = state.accelerate(x)
     for a, b in zip(accel, state.geodesic_acceleration(x)):
         assert rel(a, b) < 1e-13
 
     xs = tuple(t.clone().requires_grad_(True) for t in x)
     vjp = torch.autograd.grad(state.geodesic_acceleration(xs), xs, u)
-    for a, b, c in zip(space_module._pullback(state, x, u, saved), u, vjp):
-        assert rel(a, b + 0.5 * c) < 1e-13
+    for pulled in (state.pullback(x, u, saved), state.pullback(x, u)):
+        for a, b, c in zip(pulled, u, vjp):
+            assert rel(a, b + 0.5 * c) < 1e-13
 
-    for a, b in zip(space_module._project(state, x), state.project_horizontal(x)):
+    for a, b in zip(state.proju(x), state.project_horizontal(x)):
         assert rel(a, b) < 1e-12
-    for a, b in zip(
-        space_module._direction(state, u), state.project_horizontal(state.egrad2rgrad(u))
-    ):
+    for a, b in zip(state.direction(u), state.project_horizontal(state.egrad2rgrad(u))):
         assert rel(a, b) < 1e-12
 
 
@@ -159,7 +157,7 @@ def test_pair_kernels_float32(metric):
         torch.randn(state.H.shape, generator=gen, dtype=F64),
     )
     exact = state.project_horizontal(state.egrad2rgrad(g))
-    fast = space_module._direction(state, tuple(t.float() for t in g))
+    fast = state.direction(tuple(t.float() for t in g))
     assert all(t.dtype == torch.float32 for t in fast)
     for a, b in zip(fast, exact):
         assert rel(a.double(), b) < 1e-5
@@ -196,24 +194,28 @@ def test_inplace_methods_match(encoder, name, metric, eps):
 
     # retr_ == retr
     out = torch.empty_like(theta)
-    assert torch.allclose(space.retr_(xi, out), space.retr(xi), rtol=1e-14, atol=1e-15)
+    step = space.retr_(xi, out)
+    assert torch.allclose(out, space.retr(xi), rtol=1e-14, atol=1e-15)
 
     # pullback_ == autograd through retr
     x = xi.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(space.retr(x), x, egrad)
-    space.retr_(xi, out)
-    assert rel(space.pullback_(xi, egrad.clone()), expected) < 1e-13
+    pulled = space.pullback_(step, egrad.clone())
+    assert rel(pulled, expected) < 1e-13
 
-    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g))
-    d = space.proju(space.egrad2rgrad(egrad))
-    work = egrad.clone()
+    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g)),
+    # with the pair blocks the pullback left in `step` and without them
+    d = space.proju(space.egrad2rgrad(pulled))
+    sq_known, _ = space.split_direction_(pulled.clone(), step)
+    work = pulled.clone()
     sq, pair_dirs = space.split_direction_(work)
+    assert math.isclose(float(sq_known), float(sq), rel_tol=1e-12)
     assert math.isclose(float(sq), float(space.inner(d, d)), rel_tol=1e-10)
     kd, kx, kp = (torch.tensor(v, dtype=F64) for v in (0.3, 0.9, -0.2))
     space.combine_(work, pair_dirs, kd, xi, kx, xp, kp)
     assert rel(work, 0.3 * d + 0.9 * xi - 0.2 * xp) < 1e-12
     # <xi, d>_g equals the Euclidean <xi, egrad> (xi horizontal): the loop relies on it
-    assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, egrad)), rel_tol=1e-9)
+    assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, pulled)), rel_tol=1e-9)
 
 
 def test_space_keeps_one_parameter_sized_vector(encoder):
@@ -235,7 +237,8 @@ def test_space_keeps_one_parameter_sized_vector(encoder):
 
 
 def test_one_forward_backward_per_step():
-    """Per batch: the unperturbed loss, the start point, one call per step."""
+    """Per batch: the unperturbed loss, the start point, one call per step, and one per
+    restart (the best point's gradient is recomputed, not kept)."""
     case = bert_case(dtype=torch.float32)
     calls = []
 
@@ -249,8 +252,9 @@ def test_one_forward_backward_per_step():
         dict(geometry="adaptive", p=float("inf")),
     ):
         calls.clear()
-        geosharp.sharpness(case.model, case.batches, loss_fn, rho=0.01, n_iters=7, **kw)
-        assert len(calls) == len(case.batches) * (7 + 2)
+        res = geosharp.sharpness(case.model, case.batches, loss_fn, rho=0.01, n_iters=7, **kw)
+        restarts = sum(len(t.restarts) for t in res.traces)
+        assert len(calls) == len(case.batches) * (7 + 2) + restarts
 
 
 class _LargeAllocations(TorchDispatchMode):
@@ -299,14 +303,13 @@ def test_no_host_synchronisation_between_checkpoints(monkeypatch):
     layout, theta = flat_setup(case.model)
     sym = geosharp.find_symmetries(case.model)
     space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named("geodesic", "inv"))
-    sharpness_module = sys.modules["geosharp.measures.sharpness"]
-    objective = sharpness_module._Objective(
-        space,
-        functional_loss(case.model, case.loss_fn),
-        layout,
-        case.batches[0],
-        lambda: torch.autocast("cpu", enabled=False),
-    )
+    evaluate = functional_loss(case.model, case.loss_fn)
+
+    def loss_grad(point, out):
+        point = point.detach().requires_grad_(True)
+        loss = evaluate(layout.unflatten(point), case.batches[0])
+        return loss.detach(), out.copy_(torch.autograd.grad(loss, point)[0])
+
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         original = getattr(torch.Tensor, name)
@@ -317,7 +320,7 @@ def test_no_host_synchronisation_between_checkpoints(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     n_iters = 12
-    auto_pgd(objective, space, 0.01, n_iters)
+    auto_pgd(loss_grad, space, 0.01, n_iters)
     monkeypatch.undo()
     marks = len(apgd.checkpoints(n_iters))
     assert reads.count("tolist") == 2  # the trace, once

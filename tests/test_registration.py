@@ -19,7 +19,7 @@ from geosharp.symmetry import (
     find_symmetries,
     reparameterize,
 )
-from geosharp.symmetry import handlers as handler_registry
+from geosharp.symmetry import registry as handler_registry
 
 F64 = torch.float64
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"

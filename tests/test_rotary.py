@@ -7,14 +7,9 @@ import pytest
 import torch
 
 from geosharp.geometry.pairs import InvMetric, MixMetric
-from geosharp.geometry.subgroup import (
-    _vertical_gram,
-    _vertical_gram_generic,
-    lie_algebra_basis,
-    random_group_elements,
-    restrict_state,
-)
+from geosharp.geometry.subgroup import _vertical_gram, _vertical_gram_generic, restrict_state
 from geosharp.symmetry import Block, PairSpec
+from geosharp.symmetry.groups import lie_algebra_basis, random_group_elements
 
 F64 = torch.float64
 METRICS = {"inv": InvMetric(), "inv-eps": InvMetric(eps=1e-2), "mix": MixMetric()}
@@ -144,7 +139,7 @@ def test_llama_vertical_directions_outside_the_subgroup_change_the_loss():
     are genuine perturbations; directions V(L) with L in k do not."""
     tf = pytest.importorskip("transformers")
     from geosharp.geometry.space import stack_pairs
-    from geosharp.params import ParameterLayout
+    from geosharp.layout import ParameterLayout
     from geosharp.symmetry import find_symmetries
 
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import geometry_reference as ref  # tests/ is on sys.path (conftest.py)
 from geosharp.geometry import GEOMETRIES, Geometry, PerturbationSpace
 from geosharp.geometry.pairs import InvMetric, MixMetric
-from geosharp.params import ParameterLayout
+from geosharp.layout import ParameterLayout
 from geosharp.symmetry.discovery import find_symmetries
 
 F64 = torch.float64

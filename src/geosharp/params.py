@@ -1,58 +1,22 @@
-"""Parameters as one flat vector, and safe functional evaluation of a user's model.
+"""Safe functional evaluation of a user's model.
 
-Every measure works on a *flat* copy ``theta`` of the parameters it perturbs; the
-model's own tensors are never written. A perturbed point is turned back into a
-``{name: tensor}`` dict of views and evaluated with :func:`torch.func.functional_call`,
-which swaps the tensors in for one call and restores them, also on error.
+A perturbed point is a ``{name: tensor}`` dict (views of a flat vector, see
+:mod:`geosharp.layout`), evaluated with :func:`torch.func.functional_call`, which
+swaps the tensors in for one call and restores them, also on error: the model's own
+tensors are never written.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFunction", "ParameterLayout", "evaluation_mode", "functional_loss"]
+__all__ = ["LossFunction", "evaluation_mode", "functional_loss"]
 
 LossFunction = Callable[[nn.Module, object], Tensor]
-
-
-@dataclass(frozen=True)
-class ParameterLayout:
-    """Names, shapes and offsets of the parameters packed into one flat vector."""
-
-    names: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
-    offsets: tuple[int, ...]
-    numel: int
-
-    @classmethod
-    def from_named(cls, named: Iterable[tuple[str, Tensor]]) -> ParameterLayout:
-        names, shapes, offsets, total = [], [], [], 0
-        for name, tensor in named:
-            names.append(name)
-            shapes.append(tensor.shape)
-            offsets.append(total)
-            total += tensor.numel()
-        return cls(tuple(names), tuple(shapes), tuple(offsets), total)
-
-    def offset(self, name: str) -> int:
-        return self.offsets[self.names.index(name)]
-
-    def flatten(self, tensors: Mapping[str, Tensor]) -> Tensor:
-        """Concatenate ``tensors[name]`` for every name of the layout (a copy)."""
-        return torch.cat([tensors[n].reshape(-1) for n in self.names])
-
-    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
-        """Views of ``flat`` with the parameters' shapes (no copy)."""
-        sizes = [s.numel() for s in self.shapes]
-        return {
-            n: chunk.view(s)
-            for n, s, chunk in zip(self.names, self.shapes, torch.split(flat, sizes))
-        }
 
 
 class _LossModule(nn.Module):

@@ -112,7 +112,9 @@ class PairState(ABC):
 
     @abstractmethod
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
-        """A standard Gaussian in the metric: ``E g(xi, eta)^2`` is the identity."""
+        """A standard Gaussian in the metric (``E g(xi, a) g(xi, b) = g(a, b)``), drawn
+        equivariantly: with the same generator state, the pairs ``(G A, H A^{-T})`` get
+        ``(xiG A, xiH A^{-T})``, so symmetry-related networks see related directions."""
 
     def project_horizontal(self, xi: Tangent) -> Tangent:
         """The g-orthogonal projection onto the horizontal space (float64 inside)."""
@@ -121,6 +123,30 @@ class PairState(ABC):
         L = self.vertical_coefficient(x)
         vG, vH = self.vertical(L)
         return (x[0] - vG).to(dtype), (x[1] - vH).to(dtype)
+
+    # Auto-PGD's hot path. The same maths; states that can arrange it for speed override
+    # it (the large n x h products in the tangent's dtype, the h x h algebra in float64).
+
+    def proju(self, xi: Tangent) -> Tangent:
+        """:meth:`project_horizontal` (a fused form where the state has one)."""
+        return self.project_horizontal(xi)
+
+    def direction(self, egrad: Tangent) -> Tangent:
+        """The horizontal Riemannian gradient ``proju(egrad2rgrad(egrad))``."""
+        return self.proju(self.egrad2rgrad(egrad))
+
+    def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
+        """``geodesic_acceleration(xi)``, and what :meth:`pullback` may reuse of it."""
+        return self.geodesic_acceleration(xi), None
+
+    def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
+        """``u + J^T u / 2`` with ``J`` the Jacobian of the acceleration at ``xi``: the
+        gradient in ``xi`` of a loss at ``(G, H) + xi + a(xi) / 2`` whose gradient there
+        is ``u``. ``saved`` comes from :meth:`accelerate` (here: autograd)."""
+        x = tuple(t.detach().requires_grad_(True) for t in xi)
+        with torch.enable_grad():
+            vjp = torch.autograd.grad(self.geodesic_acceleration(x), x, u)
+        return u[0] + 0.5 * vjp[0], u[1] + 0.5 * vjp[1]
 
     def geodesic(self, xi: Tangent, t: float = 1.0) -> tuple[Tensor, Tensor]:
         """Second-order geodesic ``(G, H) + t xi + t^2/2 (G'', H'')``."""
@@ -144,19 +170,18 @@ class PairState(ABC):
 
 @dataclass
 class InvState(PairState):
-    """``P, Q`` (and ``P_inv, Q_inv, P_sqrt, Q_sqrt``) include ``eps``. The projection
+    """``P, Q`` (and ``P_inv, Q_inv``) include ``eps``. The projection
     solves ``A X + X B = C`` with ``A = P (H^T H) = S diag(d) S^{-1}`` and
     ``B = (G^T G) Q = T diag(e) T^{-1}`` (for ``eps = 0``, ``A = B = P Q`` and
     ``T, e = S, d``)."""
 
-    P_sqrt: Tensor
-    Q_sqrt: Tensor
     S: Tensor
     S_inv: Tensor
     d: Tensor
     T: Tensor
     T_inv: Tensor
     e: Tensor
+    eps: float = 0.0
 
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
@@ -173,15 +198,10 @@ class InvState(PairState):
         # C = xiG^T G Q - P H^T xiH, A = P (H^T H), B = (G^T G) Q (P, Q with eps; for
         # eps = 0 this is MATH.md's (P Q) X + X (P Q) = C). With A = S D S^{-1} and
         # B = T E T^{-1}: Y = S^{-1} C T, Y_ij /= d_i + e_j, X = S Y T^{-1}.
-        x = _f64(xi)
-        C = _t(x[0]) @ self.G @ self.Q - self.P @ _t(self.H) @ x[1]
-        Y = self.S_inv @ C @ self.T
-        denom = self.d.unsqueeze(-1) + self.e.unsqueeze(-2)
         # denom = 0 only where V(L) = 0 (G and H both rank deficient, eps > 0): any Y
         # solves there; take 0.
-        tol = denom.shape[-1] * torch.finfo(_F64).eps * denom.amax((-1, -2), keepdim=True)
-        Y = torch.where(denom > tol, Y / torch.where(denom > tol, denom, 1.0), 0.0)
-        return _t(self.S @ Y @ self.T_inv)
+        x = _f64(xi)
+        return self._coefficient(_t(x[0]) @ self.G, _t(self.H) @ x[1])
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -197,9 +217,76 @@ class InvState(PairState):
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
-        zG = torch.randn(self.G.shape, generator=generator, dtype=_F64, device=self.G.device)
-        zH = torch.randn(self.H.shape, generator=generator, dtype=_F64, device=self.H.device)
-        return zG @ self.P_sqrt, zH @ self.Q_sqrt
+        """``(W G, W' H)`` with standard Gaussian ``W`` (``n x n``) and ``W'`` (``m x m``):
+        the rows of ``xiG`` are ``N(0, P)``. With ``eps > 0`` an independent
+        ``sqrt(eps) Z`` makes them ``N(0, P + eps I)`` (equivariant up to ``O(eps)``)."""
+        xiG, xiH = _gaussian_products(self.G, self.H, self.G, self.H, generator)
+        if self.eps:
+            root, G, H = self.eps**0.5, self.G, self.H
+            xiG = xiG + root * torch.randn(
+                G.shape, generator=generator, dtype=G.dtype, device=G.device
+            )
+            xiH = xiH + root * torch.randn(
+                H.shape, generator=generator, dtype=H.dtype, device=H.device
+            )
+        return xiG, xiH
+
+    def proju(self, xi: Tangent) -> Tangent:
+        return _project(self, xi)
+
+    def direction(self, egrad: Tangent) -> Tangent:
+        # rgrad = (gG P, gH Q); its two h x h reductions are those of g times P, Q
+        dt = egrad[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
+        L = self._coefficient(self.P @ gram_g, gram_h @ self.Q).to(dt)
+        A, B = self._cast("P", dt), self._cast("Q", dt)
+        return torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1), torch.bmm(egrad[1], B).baddbmm_(
+            H, _t(L)
+        )
+
+    def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
+        dt = xi[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        out, saved = [], []
+        for xx, B, B_inv in ((xi[0], G, P_inv), (xi[1], H, Q_inv)):
+            M = B_inv @ _sym(_t(xx) @ B)
+            N = B_inv @ (_t(xx) @ xx)
+            out.append(torch.bmm(xx, M).baddbmm_(B, N, alpha=-1))
+            saved.append(M)
+        return (out[0], out[1]), tuple(saved)
+
+    def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
+        if saved is None:
+            saved = self.accelerate(xi)[1]
+        dt = u[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        eye = torch.eye(G.shape[-1], dtype=dt, device=G.device)
+        out = []
+        for xx, B, B_inv, uu, M in (
+            (xi[0], G, P_inv, u[0], saved[0]),
+            (xi[1], H, Q_inv, u[1], saved[1]),
+        ):
+            # a = x M - B N: J^T u = u M^T + B (S^T B^-1 + B^-1 S) - x (T^T B^-1 + B^-1 T),
+            # S = x^T u, T = B^T u (B^-1 symmetric).
+            S, T = _t(xx) @ uu, _t(B) @ uu
+            K2 = _t(S) @ B_inv + B_inv @ S
+            K1 = _t(T) @ B_inv + B_inv @ T
+            g = torch.bmm(uu, eye + 0.5 * _t(M))
+            out.append(g.baddbmm_(B, K2, alpha=0.5).baddbmm_(xx, K1, alpha=-0.5))
+        return out[0], out[1]
+
+    def _coefficient(self, A: Tensor, B: Tensor) -> Tensor:
+        """:meth:`vertical_coefficient` from ``x_G^T G`` and ``H^T x_H`` (float64)."""
+        # C = x_G^T G Q - P H^T x_H; A X + X B' = C solved in the eigenbases
+        C = A @ self.Q - self.P @ B
+        Y = self.S_inv @ C @ self.T
+        denom = self.d.unsqueeze(-1) + self.e.unsqueeze(-2)
+        tol = denom.shape[-1] * torch.finfo(_F64).eps * denom.amax((-1, -2), keepdim=True)
+        Y = torch.where(denom > tol, Y / torch.where(denom > tol, denom, 1.0), 0.0)
+        return _t(self.S @ Y @ self.T_inv)
 
 
 @dataclass(frozen=True)
@@ -232,14 +319,13 @@ class InvMetric(PairMetric):
             Q,
             P_inv,
             Q_inv,
-            P_sqrt=P_sqrt,
-            Q_sqrt=Q_sqrt,
             S=S,
             S_inv=S_inv,
             d=d,
             T=T,
             T_inv=T_inv,
             e=e,
+            eps=self.eps,
         )
 
 
@@ -248,9 +334,6 @@ class InvMetric(PairMetric):
 
 @dataclass
 class MixState(PairState):
-    P_isqrt: Tensor
-    Q_isqrt: Tensor
-
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
         return ((x[0] @ self.Q) * y[0]).sum((-1, -2)) + ((x[1] @ self.P) * y[1]).sum((-1, -2))
@@ -277,9 +360,58 @@ class MixState(PairState):
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
-        zG = torch.randn(self.G.shape, generator=generator, dtype=_F64, device=self.G.device)
-        zH = torch.randn(self.H.shape, generator=generator, dtype=_F64, device=self.H.device)
-        return zG @ self.Q_isqrt, zH @ self.P_isqrt
+        """``(W H Q^{-1}, W' G P^{-1})``: rows ``N(0, Q^{-1})`` and ``N(0, P^{-1})``."""
+        return _gaussian_products(
+            self.G, self.H, self.H @ self.Q_inv, self.G @ self.P_inv, generator
+        )
+
+    def proju(self, xi: Tangent) -> Tangent:
+        return _project(self, xi)
+
+    def direction(self, egrad: Tangent) -> Tangent:
+        # rgrad = (gG Q^-1, gH P^-1)
+        dt = egrad[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
+        L = self._coefficient(self.Q_inv @ gram_g, gram_h @ self.P_inv).to(dt)
+        A, B = self._cast("Q_inv", dt), self._cast("P_inv", dt)
+        return torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1), torch.bmm(egrad[1], B).baddbmm_(
+            H, _t(L)
+        )
+
+    def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
+        dt = xi[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        xG, xH = xi
+        Bm = _sym(_t(xH) @ H)  # xH^T H + H^T xH
+        D = _sym(_t(xG) @ G)
+        aG = torch.bmm(G, (_t(xH) @ xH) @ Q_inv).baddbmm_(xG, Bm @ Q_inv, alpha=-1)
+        aH = torch.bmm(H, (_t(xG) @ xG) @ P_inv).baddbmm_(xH, D @ P_inv, alpha=-1)
+        return (aG, aH), (Bm, D)
+
+    def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
+        if saved is None:
+            saved = self.accelerate(xi)[1]
+        dt = u[0].dtype
+        G, H = self._cast("G", dt), self._cast("H", dt)
+        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        eye = torch.eye(G.shape[-1], dtype=dt, device=G.device)
+        (xG, xH), (uG, uH), (Bm, D) = xi, u, saved
+        # aG = (G A - xG Bm) Q^-1, aH = (H C - xH D) P^-1 (A = xH^T xH, C = xG^T xG): with
+        # E = G^T uG Q^-1, F = xG^T uG Q^-1, E' = H^T uH P^-1, F' = xH^T uH P^-1,
+        # J^T u = (-uG Q^-1 Bm + xG sym(E') - G sym(F'), -uH P^-1 D + xH sym(E) - H sym(F)).
+        E, F = (_t(G) @ uG) @ Q_inv, (_t(xG) @ uG) @ Q_inv
+        E2, F2 = (_t(H) @ uH) @ P_inv, (_t(xH) @ uH) @ P_inv
+        gG = torch.bmm(uG, eye - 0.5 * (Q_inv @ Bm))
+        gG.baddbmm_(xG, _sym(E2), alpha=0.5).baddbmm_(G, _sym(F2), alpha=-0.5)
+        gH = torch.bmm(uH, eye - 0.5 * (P_inv @ D))
+        gH.baddbmm_(xH, _sym(E), alpha=0.5).baddbmm_(H, _sym(F), alpha=-0.5)
+        return gG, gH
+
+    def _coefficient(self, A: Tensor, B: Tensor) -> Tensor:
+        """:meth:`vertical_coefficient` from ``x_G^T G`` and ``H^T x_H`` (float64)."""
+        return 0.5 * (self.P_inv @ _t(A) - _t(B) @ self.Q_inv)
 
 
 @dataclass(frozen=True)
@@ -292,9 +424,9 @@ class MixMetric(PairMetric):
     def state(self, G: Tensor, H: Tensor) -> MixState:
         G, H = G.detach().to(_F64), H.detach().to(_F64)
         P, Q = _gram(G, 0.0), _gram(H, 0.0)
-        P_inv, _, P_isqrt, _ = _spd_functions(P)
-        Q_inv, _, Q_isqrt, _ = _spd_functions(Q)
-        return MixState(G, H, P, Q, P_inv, Q_inv, P_isqrt=P_isqrt, Q_isqrt=Q_isqrt)
+        P_inv = _spd_functions(P)[0]
+        Q_inv = _spd_functions(Q)[0]
+        return MixState(G, H, P, Q, P_inv, Q_inv)
 
 
 def get_metric(name: str, eps: float = 0.0) -> PairMetric:
@@ -317,3 +449,40 @@ def _gram(X: Tensor, eps: float) -> Tensor:
 
 def _f64(xi: Tangent) -> Tangent:
     return xi[0].to(_F64), xi[1].to(_F64)
+
+
+def _sym(x: Tensor) -> Tensor:
+    return x + _t(x)
+
+
+def _project(state: InvState | MixState, x: Tangent) -> Tangent:
+    """``project_horizontal(x)`` fused: the two h x h reductions ``x_G^T G``, ``H^T x_H``
+    in ``x``'s dtype, the coefficient in float64, and the correction ``(x_G - G L,
+    x_H + H L^T)`` as one ``baddbmm`` each."""
+    dt = x[0].dtype
+    G, H = state._cast("G", dt), state._cast("H", dt)
+    L = state._coefficient((_t(x[0]) @ G).double(), (_t(H) @ x[1]).double()).to(dt)
+    return torch.baddbmm(x[0], G, L, alpha=-1), torch.baddbmm(x[1], H, _t(L))
+
+
+def _gaussian_products(
+    G: Tensor, H: Tensor, g_factor: Tensor, h_factor: Tensor, generator, chunk: int = 1 << 22
+) -> Tangent:
+    """``(W g_factor, W' h_factor)`` with standard Gaussian ``W`` (``n x n``), ``W'``
+    (``m x m``), drawn head by head in chunks of at most ``chunk`` numbers."""
+    heads, n, _ = G.shape
+    m = H.shape[1]
+    step = max(1, chunk // max(n * g_factor.shape[1], m * h_factor.shape[1]))
+    parts_g, parts_h = [], []
+    for start in range(0, heads, step):
+        sl = slice(start, start + step)
+        count = g_factor[sl].shape[0]
+        W = torch.randn(
+            count, n, g_factor.shape[1], generator=generator, dtype=G.dtype, device=G.device
+        )
+        parts_g.append(W @ g_factor[sl])
+        W = torch.randn(
+            count, m, h_factor.shape[1], generator=generator, dtype=G.dtype, device=G.device
+        )
+        parts_h.append(W @ h_factor[sl])
+    return torch.cat(parts_g), torch.cat(parts_h)

@@ -30,9 +30,6 @@ full-rank pairs; it is built from ``h x h`` matrices only (float64, batched):
 >>> xi = state.project_horizontal((torch.randn_like(G), torch.randn_like(H)))
 >>> bool(state.horizontal_residual(xi).abs().max() < 1e-12)
 True
->>> A = random_group_elements("rotary", 3, 4, cond=10.0)  # complex scalars per plane
->>> bool(torch.allclose(A[:, :2, :2], A[:, 2:, 2:]))  # the "a" parts of both planes
-True
 """
 
 from __future__ import annotations
@@ -42,69 +39,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..symmetry.groups import check_group, lie_algebra_basis
 from .pairs import InvState, MixState, PairState, Tangent
 
-__all__ = [
-    "GROUPS",
-    "SubgroupState",
-    "lie_algebra_basis",
-    "random_group_elements",
-    "restrict_state",
-]
+__all__ = ["SubgroupState", "restrict_state"]
 
 _F64 = torch.float64
-
-GROUPS = ("GL", "rotary")
-"""Symmetry groups a pair may declare: the full ``GL(h)`` or the RoPE subgroup."""
-
-
-def check_group(group: str, h: int) -> None:
-    """Raise unless ``group`` is known and fits ``h`` columns."""
-    if group not in GROUPS:
-        raise ValueError(f"unknown symmetry group {group!r}: use one of {', '.join(GROUPS)}")
-    if group == "rotary" and h % 2:
-        raise ValueError(f"the rotary group needs an even head dimension, got h={h}")
-
-
-def lie_algebra_basis(group: str, h: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Sparse basis of the Lie algebra ``k``: ``rows, cols`` (int64) and ``signs``
-    (float64), each ``(dim k, 2)``; basis element ``a`` is
-    ``sum_s signs[a, s] e_{rows[a, s]} e_{cols[a, s]}^T``. The elements are mutually
-    Frobenius-orthogonal, each of squared norm 2."""
-    check_group(group, h)
-    if group != "rotary":
-        raise ValueError(f"group {group!r} is the full group: it needs no sparse basis")
-    half = h // 2
-    j = torch.arange(half)
-    jp = j + half
-    rows = torch.cat([torch.stack([j, jp], 1), torch.stack([jp, j], 1)])
-    cols = torch.cat([torch.stack([j, jp], 1), torch.stack([j, jp], 1)])
-    signs = torch.cat(
-        [torch.ones(half, 2, dtype=_F64), torch.tensor([[1.0, -1.0]], dtype=_F64).expand(half, 2)]
-    )
-    return rows, cols, signs
-
-
-def random_group_elements(
-    group: str, heads: int, h: int, cond: float, generator: torch.Generator | None = None
-) -> Tensor:
-    """``heads`` random elements of ``group`` with condition number ``cond`` (float64).
-
-    ``rotary``: on each plane ``(j, j + h/2)`` the complex scalar ``r_j e^{i phi_j}``,
-    ``r_j`` log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (shuffled), ``phi_j`` uniform.
-    """
-    check_group(group, h)
-    if group == "GL":
-        from ..symmetry.check import random_matrices
-
-        return random_matrices(heads, h, cond, generator)
-    half = h // 2
-    log_half = 0.5 * torch.log(torch.tensor(float(cond), dtype=_F64))
-    r = torch.exp(torch.linspace(-1.0, 1.0, half, dtype=_F64) * log_half)
-    r = r[torch.stack([torch.randperm(half, generator=generator) for _ in range(heads)])]
-    phi = 2 * torch.pi * torch.rand(heads, half, generator=generator, dtype=_F64)
-    a, b = torch.diag_embed(r * torch.cos(phi)), torch.diag_embed(r * torch.sin(phi))
-    return torch.cat([torch.cat([a, -b], -1), torch.cat([b, a], -1)], -2)
 
 
 def _t(x: Tensor) -> Tensor:
@@ -134,6 +74,12 @@ class SubgroupState(PairState):
 
     def geodesic_acceleration(self, xi: Tangent) -> Tangent:
         return self.base.geodesic_acceleration(xi)
+
+    def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
+        return self.base.accelerate(xi)
+
+    def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
+        return self.base.pullback(xi, u, saved)
 
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
         return self.base.sample(generator)

@@ -16,13 +16,13 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduction restarts from the best point.
 
 The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together), allocates no parameter-sized vector, and does not
-synchronise with the device outside checkpoints.
+loss and its gradient together; one more at each restart, for the best point's
+gradient, which is recomputed rather than kept), allocates no parameter-sized vector,
+and does not synchronise with the device outside checkpoints.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..geometry.space import PerturbationSpace
+from ..geometry.space import PerturbationSpace, Retraction
 
 __all__ = ["APGDTrace", "auto_pgd", "checkpoints"]
 
-Objective = Callable[[Tensor], tuple[Tensor, Tensor]]
+# loss_grad(point, out) -> (loss at point, its gradient written into `out`)
+LossGrad = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 _HOST_DEVICES = ("cpu",)  # devices whose tensors the host reads without waiting
 
@@ -71,13 +72,6 @@ class APGDTrace:
             "step_sizes": self.step_sizes,
             "restarts": self.restarts,
         }
-
-
-def _accepts_out(objective: Objective) -> bool:
-    try:
-        return "out" in inspect.signature(objective).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class _Buffers:
@@ -123,13 +117,15 @@ class _L2Ball:
         shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
         return space.proju_(xi.mul_(shrink.to(xi.dtype)))
 
-    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
+    def step_(
+        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
+    ) -> Tensor:
         """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
         xd = space.dot(xi, grad)
         pd = xd if same else space.dot(xi_prev, grad)
-        dd, pair_dirs = space.split_direction_(grad)
+        dd, pair_dirs = space.split_direction_(grad, step)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
         s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
@@ -176,7 +172,9 @@ class _Box:
     def project_(self, xi: Tensor) -> Tensor:
         return torch.clamp(xi, self.lower, self.upper, out=xi)
 
-    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
+    def step_(
+        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
+    ) -> Tensor:
         z = grad.sign_().mul_(self.space.scale).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
@@ -189,20 +187,27 @@ class _Box:
 
 
 def auto_pgd(
-    objective: Objective,
+    loss_grad: LossGrad,
     space: PerturbationSpace,
     rho: float,
     n_iters: int,
     xi0: Tensor | None = None,
     momentum: float = 0.75,
+    callback: Callable[[str, int, Tensor], None] | None = None,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
-    """Maximise ``objective`` over the ``rho``-ball of ``space``.
+    """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
-    ``objective(xi)`` returns ``(value, euclidean_gradient)``; it may keep no reference
-    to the gradient, which is overwritten, nor to ``xi``. An objective with a keyword
-    ``out`` is handed a parameter-sized buffer to write the gradient into (and return),
-    so that the loop allocates nothing. Returns the best value (a 0-d tensor), the best
-    ``xi`` and the :class:`APGDTrace`.
+    ``loss_grad(point, out)`` returns the loss at the parameter vector ``point`` and
+    writes its Euclidean gradient into the buffer ``out`` (returning it); it may keep no
+    reference to either. The loop retracts (:meth:`PerturbationSpace.retr_`), pulls the
+    gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
+    Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
+
+    Beyond the space, the loop holds five parameter-sized vectors: the point, the
+    gradient, ``xi``, the previous ``xi`` and the best ``xi``. ``callback(event, i,
+    xi)``, if given, is called with ``"evaluate"`` before and ``"evaluated"`` after each
+    call of ``loss_grad`` at ``xi``, and with ``"step"`` after the ``i``-th update made
+    ``xi`` (for diagnostics and benchmarks; it must not write ``xi``).
 
     On a GPU the loop never waits for the device outside the checkpoints (the best point
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
@@ -210,21 +215,20 @@ def auto_pgd(
     """
     ball = _Box(space, rho) if space.geometry.p == float("inf") else _L2Ball(space, rho)
     buffers = _Buffers(space.theta)
-    with_out = _accepts_out(objective)
+    point = torch.empty_like(space.theta)
+    notify = callback or (lambda event, i, xi: None)
 
-    def call(xi: Tensor) -> tuple[Tensor, Tensor]:
-        if not with_out:
-            return objective(xi)
-        out = buffers.take()
-        value, grad = objective(xi, out=out)
-        if grad is not out:
-            buffers.give(out)
-        return value, grad
+    def evaluate(xi: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
+        step = space.retr_(xi, point)
+        notify("evaluate", i, xi)
+        value, grad = loss_grad(point, buffers.take())
+        notify("evaluated", i, xi)
+        return value, space.pullback_(step, grad), step
 
     xi = buffers.take().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
-    value, grad = call(xi)
-    best_value, best_xi, best_grad = value, xi.clone(), grad.clone()
+    value, grad, step = evaluate(xi, 0)
+    best_value, best_xi = value, xi.clone()
     best_sq = ball.xx
     on_host = xi.device.type in _HOST_DEVICES
     xi_prev = xi
@@ -237,11 +241,12 @@ def auto_pgd(
     for i in range(n_iters):
         # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
-        new_xi = ball.step_(xi, xi_prev, grad, eta, a)
+        new_xi = ball.step_(xi, xi_prev, grad, eta, a, step)
         if xi_prev is not xi:
             buffers.give(xi_prev)
         xi_prev, xi = xi, new_xi
-        new_value, grad = call(xi)
+        notify("step", i + 1, xi)
+        new_value, grad, step = evaluate(xi, i + 1)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
@@ -250,16 +255,14 @@ def auto_pgd(
         if on_host:
             if bool(improved):
                 best_xi.copy_(xi)
-                best_grad.copy_(grad)
         else:
             torch.where(improved, xi, best_xi, out=best_xi)
-            torch.where(improved, grad, best_grad, out=best_grad)
         values.append(value)
         bests.append(best_value)
 
-        step = i + 1
-        if step in marks:
-            too_few = increases.item() < 0.75 * (step - last_mark)
+        done = i + 1
+        if done in marks:
+            too_few = increases.item() < 0.75 * (done - last_mark)
             stalled = (not reduced_last) and bool(best_at_mark == best_value)
             reduced_last = too_few or stalled
             if reduced_last:
@@ -267,11 +270,10 @@ def auto_pgd(
                 buffers.give(xi, xi_prev, grad)
                 xi = buffers.take().copy_(best_xi)
                 xi_prev = xi
-                grad = buffers.take().copy_(best_grad)
-                value = best_value
+                value, grad, step = evaluate(xi, done)  # the best point's gradient
                 ball.restart(best_sq)
-                restarts.append(step)
-            best_at_mark, last_mark = best_value, step
+                restarts.append(done)
+            best_at_mark, last_mark = best_value, done
             increases = torch.zeros((), device=xi.device)
         etas.append(eta)
 

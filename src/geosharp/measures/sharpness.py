@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from ..errors import real_number
 from ..geometry.space import Geometry, PerturbationSpace
-from ..params import LossFunction, ParameterLayout, evaluation_mode, functional_loss
+from ..layout import ParameterLayout
+from ..params import LossFunction, evaluation_mode, functional_loss
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
@@ -210,7 +211,6 @@ def sharpness(
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, named) if upcast else None
         )
-        fast = not geo.exp_elementwise
         for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name):
             if index % world != rank:
                 continue
@@ -221,11 +221,7 @@ def sharpness(
 
             trace, per_start = None, []
             if kind == "worst":
-                objective = (
-                    _Objective(space, evaluate, layout, batch, autocast)
-                    if fast
-                    else _objective(space, evaluate, layout, batch, autocast)
-                )
+                objective = _LossGrad(evaluate, layout, batch, autocast)
                 best = -math.inf
                 for start in range(n_starts):
                     xi0 = None
@@ -249,7 +245,8 @@ def sharpness(
                 with torch.no_grad(), autocast():
                     for _ in range(n_samples):
                         xi = _scale_to(space, space.random(generator), rho)
-                        total += float(evaluate(layout.unflatten(space.retr_(xi, point)), batch))
+                        space.retr_(xi, point)
+                        total += float(evaluate(layout.unflatten(point), batch))
                 del point
                 value = total / n_samples - loss0
             records.append((index, value, loss0, trace, per_start))
@@ -384,27 +381,21 @@ def _checked_loss(loss: object, where: str) -> float:
     return value
 
 
-class _Objective:
-    """Loss and gradient at ``retr(xi)`` for Auto-PGD, without parameter-sized
-    temporaries: the perturbed point is written into one buffer whose views are swapped
-    into the model as leaves, and their ``.grad`` are views of the caller's (zeroed)
-    buffer, into which backward accumulates in place. The step is the straight line
-    but for the pairs' geodesic correction, whose vector-Jacobian product
-    :meth:`PerturbationSpace.pullback_` applies after backward."""
+class _LossGrad:
+    """Loss and gradient at a perturbed point for Auto-PGD, without parameter-sized
+    temporaries: views of the point are swapped into the model as leaves, and their
+    ``.grad`` are views of the (zeroed) output buffer, into which backward accumulates
+    in place."""
 
-    def __init__(
-        self, space: PerturbationSpace, evaluate, layout: ParameterLayout, batch, autocast
-    ):
-        self.space, self.evaluate, self.layout = space, evaluate, layout
+    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast):
+        self.evaluate, self.layout = evaluate, layout
         self.batch, self.autocast = batch, autocast
-        self.point = torch.empty_like(space.theta)
 
-    def __call__(self, xi: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        grad = torch.zeros_like(xi) if out is None else out.zero_()
-        self.space.retr_(xi, self.point)
+    def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+        grad = out.zero_()
         leaves = {}
         for (name, view), grad_view in zip(
-            self.layout.unflatten(self.point).items(), self.layout.unflatten(grad).values()
+            self.layout.unflatten(point).items(), self.layout.unflatten(grad).values()
         ):
             leaf = view.detach().requires_grad_(True)
             leaf.grad = grad_view  # backward accumulates into `grad` in place
@@ -415,23 +406,7 @@ class _Objective:
         _require_grad(loss)
         loss.backward(inputs=list(leaves.values()))
         del leaves
-        return _value(loss), self.space.pullback_(xi, grad)
-
-
-def _objective(space: PerturbationSpace, evaluate, layout: ParameterLayout, batch, autocast):
-    """The general objective: autograd through :meth:`PerturbationSpace.retr` (used for
-    the exponential element-wise step)."""
-
-    def objective(xi: Tensor) -> tuple[Tensor, Tensor]:
-        xi = xi.detach().requires_grad_(True)
-        with autocast():
-            loss = evaluate(layout.unflatten(space.retr(xi)), batch)
-        loss = _scalar(loss)
-        _require_grad(loss)
-        (grad,) = torch.autograd.grad(loss, xi)
         return _value(loss), grad
-
-    return objective
 
 
 def _scalar(loss: object) -> Tensor:

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..symmetry.handlers import NameOf, register_handler
 from ..symmetry.pairs import Block, PairSpec, positions
+from ..symmetry.registry import NameOf, register_handler
 
 __all__ = [
     "DiagonalNet",

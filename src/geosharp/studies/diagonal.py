@@ -74,6 +74,7 @@ import torch
 from ..errors import UsageError
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import write_json_atomic
+from ..layout import ParameterLayout
 from ..measures.apgd import auto_pgd
 from ..models.diagonal import (
     DiagonalNet,
@@ -83,7 +84,7 @@ from ..models.diagonal import (
     squared_loss,
 )
 from ..options import Parser, add_seed
-from ..params import ParameterLayout, functional_loss
+from ..params import functional_loss
 from ..symmetry.discovery import find_symmetries
 from .figures import require_matplotlib, save_png
 from .stats import kendall_tau, kendall_tau_with_ci
@@ -359,11 +360,11 @@ def apgd_sharpness(
     with torch.no_grad():
         loss0 = float(evaluate(layout.unflatten(theta), batch))
 
-    def objective(xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xi = xi.detach().requires_grad_(True)
-        loss = evaluate(layout.unflatten(space.retr(xi)), batch)
-        (grad,) = torch.autograd.grad(loss, xi)
-        return loss.detach(), grad
+    def loss_grad(point: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        point = point.detach().requires_grad_(True)
+        loss = evaluate(layout.unflatten(point), batch)
+        (grad,) = torch.autograd.grad(loss, point)
+        return loss.detach(), out.copy_(grad)
 
     generator = torch.Generator().manual_seed(seed)
     starts: list[torch.Tensor | None] = [None]
@@ -371,7 +372,7 @@ def apgd_sharpness(
         z = space.random(generator)
         z = z * (rho / space.norm(z).clamp_min(1e-300)).to(z.dtype)
         starts += [z, -z]
-    values = [float(auto_pgd(objective, space, rho, n_iters, xi0)[0]) for xi0 in starts]
+    values = [float(auto_pgd(loss_grad, space, rho, n_iters, xi0)[0]) for xi0 in starts]
     return max(values) - loss0, values[0] - loss0
 
 

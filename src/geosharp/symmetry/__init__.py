@@ -1,22 +1,12 @@
 """Symmetry discovery: which parameters form GL(h) pairs, and acting with the group."""
 
-from .check import (
-    SymmetryCheck,
-    check_symmetries,
-    random_transforms,
-    reparameterize,
-    transform_parameters,
-)
+from .check import SymmetryCheck, check_symmetries
 from .declare import declare_pair
 from .discovery import find_symmetries
-from .handlers import (
-    Projection,
-    attention_pairs,
-    nested_pairs,
-    register_handler,
-    register_matcher,
-)
+from .groups import random_transforms, reparameterize, transform_parameters
+from .handlers import Projection, attention_pairs
 from .pairs import Block, PairSpec, Symmetries, positions
+from .registry import nested_pairs, register_handler, register_matcher
 
 __all__ = [
     "Block",

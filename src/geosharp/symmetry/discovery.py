@@ -7,8 +7,9 @@ import warnings
 
 from torch import Tensor, nn
 
-from .handlers import handler_for, nested_pairs
+from . import handlers, hf_handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .pairs import PairSpec, Symmetries
+from .registry import handler_for, nested_pairs
 
 __all__ = ["find_symmetries"]
 

@@ -30,17 +30,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .handlers import (
-    NameOf,
-    Projection,
-    attention_pairs,
-    linear_projection,
-    nested_pairs,
-    plain_linear,
-    register_handler,
-    warn_skipped,
-)
+from .handlers import Projection, attention_pairs, linear_projection, plain_linear, warn_skipped
 from .pairs import PairSpec
+from .registry import NameOf, nested_pairs, register_handler
 
 __all__: list[str] = []
 

@@ -20,7 +20,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["Block", "PairSpec", "Symmetries", "positions"]
+__all__ = ["GROUPS", "Block", "PairSpec", "Symmetries", "check_group", "positions"]
+
+GROUPS = ("GL", "rotary")
+"""Symmetry groups a pair may declare: the full ``GL(h)`` or the RoPE subgroup."""
+
+
+def check_group(group: str, h: int) -> None:
+    """Raise unless ``group`` is known and fits ``h`` columns."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown symmetry group {group!r}: use one of {', '.join(GROUPS)}")
+    if group == "rotary" and h % 2:
+        raise ValueError(f"the rotary group needs an even head dimension, got h={h}")
 
 
 def positions(param: Tensor) -> Tensor:
@@ -80,8 +91,6 @@ class PairSpec:
     note: str = ""
 
     def __post_init__(self) -> None:
-        from ..geometry.subgroup import check_group
-
         hg, _, cg = _concat_rows(self.g_blocks)
         hh, _, ch = _concat_rows(self.h_blocks)
         if hg != hh or cg != ch:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .handlers import NameOf, register_handler
 from .pairs import Block, PairSpec, positions
+from .registry import NameOf, register_handler
 
 __all__: list[str] = []
 

@@ -1,0 +1,174 @@
+"""Where a perturbation's entries live: parameters packed into one flat vector, and
+strided views of it.
+
+Every measure works on a *flat* copy ``theta`` of the parameters it perturbs.
+:class:`ParameterLayout` packs and unpacks it (views, no copy); a pair's block, given
+as int64 positions, is read and written through few strided views
+(:func:`strided_segments`) where its layout allows. This module sits below both
+:mod:`geosharp.symmetry` and :mod:`geosharp.geometry`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ParameterLayout",
+    "Segment",
+    "gather_strided",
+    "strided_segments",
+    "write_strided",
+]
+
+
+@dataclass(frozen=True)
+class ParameterLayout:
+    """Names, shapes and offsets of the parameters packed into one flat vector."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def from_named(cls, named: Iterable[tuple[str, Tensor]]) -> ParameterLayout:
+        names, shapes, offsets, total = [], [], [], 0
+        for name, tensor in named:
+            names.append(name)
+            shapes.append(tensor.shape)
+            offsets.append(total)
+            total += tensor.numel()
+        return cls(tuple(names), tuple(shapes), tuple(offsets), total)
+
+    def offset(self, name: str) -> int:
+        return self.offsets[self.names.index(name)]
+
+    def flatten(self, tensors: Mapping[str, Tensor]) -> Tensor:
+        """Concatenate ``tensors[name]`` for every name of the layout (a copy)."""
+        return torch.cat([tensors[n].reshape(-1) for n in self.names])
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """Views of ``flat`` with the parameters' shapes (no copy)."""
+        sizes = [s.numel() for s in self.shapes]
+        return {
+            n: chunk.view(s)
+            for n, s, chunk in zip(self.names, self.shapes, torch.split(flat, sizes))
+        }
+
+
+Segment = tuple[int, int, int, int, int, int, int, int]
+
+
+def strided_segments(index: Tensor, max_segments: int | None = None) -> list[Segment] | None:
+    """Cover a ``(B, n, h)`` block of flat positions by few strided views.
+
+    Each segment ``(b0, nb, r0, nr, offset, sb, sr, sc)`` says that
+    ``index[b0:b0+nb, r0:r0+nr, :]`` equals ``offset + b sb + r sr + c sc`` (``b, r, c``
+    counted from the segment's start): a view ``flat.as_strided((nb, nr, h), (sb, sr,
+    sc), offset)``. Returns ``None`` when the block is not made of such pieces (or needs
+    more than ``max_segments``, default ``4 B + 16``): callers then index.
+
+    >>> base = torch.arange(24).view(4, 6)  # a (4 x 6) weight; 2 heads of 2 rows each
+    >>> index = torch.stack([base[0:2].T, base[2:4].T])  # (2, 6, 2): G = W_head^T
+    >>> strided_segments(index)
+    [(0, 2, 0, 6, 0, 12, 1, 6)]
+    """
+    if index.dim() != 3 or index.numel() == 0:
+        return None
+    B, n, h = index.shape
+    limit = 4 * B + 16 if max_segments is None else max_segments
+    idx = index.detach().to("cpu", torch.int64)
+    start = idx[:, :, 0]
+    col = idx[:, :, 1] - idx[:, :, 0] if h > 1 else torch.ones_like(start)
+    if h > 1 and not torch.equal(idx, start[..., None] + torch.arange(h) * col[..., None]):
+        return None
+    # Runs of rows with one column stride and one row stride, per head. Rows where the
+    # column stride or the row step changes are found at once; the runs are then cut
+    # greedily at those rows only.
+    step = torch.zeros_like(start)
+    step[:, 1:] = start[:, 1:] - start[:, :-1]
+    change = torch.zeros_like(start, dtype=torch.bool)
+    change[:, 1:] = col[:, 1:] != col[:, :-1]
+    change[:, 2:] |= step[:, 2:] != step[:, 1:-1]
+    heads_at, rows_at = change.nonzero(as_tuple=True)
+    changes: list[list[int]] = [[] for _ in range(B)]
+    for b, r in zip(heads_at.tolist(), rows_at.tolist()):
+        changes[b].append(r)
+    col_l, start_l, step_l = col.tolist(), start.tolist(), step.tolist()
+    runs_per_head: list[list[tuple[int, int, int, int]]] = []  # (r0, nr, sr, sc)
+    for b in range(B):
+        runs, r0, cuts = [], 0, changes[b]
+        while r0 < n:
+            if r0 + 1 < n and col_l[b][r0 + 1] == col_l[b][r0]:
+                k = bisect.bisect_right(cuts, r0 + 1)
+                r1 = cuts[k] if k < len(cuts) else n
+                sr = step_l[b][r0 + 1]
+            else:
+                r1, sr = r0 + 1, 0
+            runs.append((r0, r1 - r0, sr, col_l[b][r0]))
+            r0 = r1
+        if len(runs) > limit:
+            return None
+        runs_per_head.append(runs)
+    # Merge consecutive heads with the same runs; each run then steps through memory by
+    # its own constant offset from head to head (a weight block and a bias row do not).
+    segments: list[Segment] = []
+    b0 = 0
+    while b0 < B:
+        runs = runs_per_head[b0]
+        b1 = b0 + 1
+        while b1 < B and runs_per_head[b1] == runs:
+            b1 += 1
+        for r0, nr, sr, sc in runs:
+            offsets = [start_l[b][r0] for b in range(b0, b1)]
+            i = 0
+            while i < len(offsets):
+                j, step = i + 1, 0
+                if j < len(offsets):
+                    step = offsets[j] - offsets[i]
+                    while j < len(offsets) and offsets[j] - offsets[j - 1] == step:
+                        j += 1
+                segments.append((b0 + i, j - i, r0, nr, offsets[i], step, sr, sc))
+                i = j
+        b0 = b1
+        if len(segments) > limit:
+            return None
+    # Negative strides cannot be viewed; a zero stride over several heads or rows would
+    # repeat positions (writes through such a view are ill-defined): index instead.
+    for _, nb, _, nr, _, sb, sr, sc in segments:
+        if min(sb, sr, sc) < 0 or (sb == 0 and nb > 1) or (sr == 0 and nr > 1) or sc == 0:
+            return None
+    return segments
+
+
+def _view(flat: Tensor, seg: Segment, h: int) -> Tensor:
+    _, nb, _, nr, offset, sb, sr, sc = seg
+    return flat.as_strided((nb, nr, h), (sb, sr, sc), flat.storage_offset() + offset)
+
+
+def gather_strided(flat: Tensor, segments: list[Segment], shape: torch.Size) -> Tensor:
+    out = torch.empty(shape, dtype=flat.dtype, device=flat.device)
+    for seg in segments:
+        b0, nb, r0, nr = seg[:4]
+        out[b0 : b0 + nb, r0 : r0 + nr].copy_(_view(flat, seg, shape[-1]))
+    return out
+
+
+def write_strided(
+    flat: Tensor, segments: list[Segment], block: Tensor, accumulate: bool, alpha: float = 1.0
+) -> None:
+    h = block.shape[-1]
+    for seg in segments:
+        b0, nb, r0, nr = seg[:4]
+        view, part = _view(flat, seg, h), block[b0 : b0 + nb, r0 : r0 + nr]
+        if not accumulate:
+            view.copy_(part)
+        elif alpha == 1.0:
+            view.add_(part)
+        else:
+            view.add_(part, alpha=alpha)
