@@ -57,12 +57,8 @@ from torch.nn import functional as F
 
 import geosharp
 
-MEASURES = {
-    "adaptive": dict(geometry="adaptive"),
-    "geodesic[inv]": dict(geometry="geodesic", metric="inv"),
-    "geodesic[mix]": dict(geometry="geodesic", metric="mix"),
-}
-RHO = {"adaptive": 0.01, "geodesic[inv]": 0.01, "geodesic[mix]": 0.001}
+MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")  # names of geosharp.measures.TABLE
+RHO = {"adaptive": 0.01, "geodesic-inv": 0.01, "geodesic-mix": 0.001}
 
 
 # -- models ------------------------------------------------------------------------------
@@ -141,7 +137,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
             n_iters=n,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
-            **MEASURES[kw],
+            measure=kw,
         )
         sync(device)
         return time.perf_counter() - start
@@ -175,73 +171,49 @@ def time_steps(args, device, autocast_dtype) -> dict:
 
 def time_overhead(args, device, autocast_dtype) -> dict:
     """Seconds per step spent outside the model's forward+backward. For one ``sharpness``
-    call, the work outside is the Auto-PGD loop's time minus, for every objective call,
-    the time between the perturbed point being written and the gradient being pulled
-    back (``_Objective.__call__`` minus ``retr_`` and ``pullback_``); the per-step value
-    is the difference between ``n_long`` and ``n_short`` steps (one-time costs, such as
-    first touches of the buffers, cancel). The model's own time is subtracted call by
-    call, so its noise does not enter; the result does not depend on the batch size."""
-    from geosharp.geometry import space
+    call, the work outside is the Auto-PGD loop's time (its ``"start"`` to ``"end"``
+    callback events) minus the time inside every ``loss_grad`` call (``"evaluate"`` to
+    ``"evaluated"``); the per-step value is the difference between ``n_long`` and
+    ``n_short`` steps (one-time costs, such as first touches of the buffers, cancel).
+    The model's own time is subtracted call by call, so its noise does not enter; the
+    result does not depend on the batch size."""
+    spent = {"loop": 0.0, "model": 0.0}
+    clock = {}
 
-    sharp = sys.modules["geosharp.measures.sharpness"]
-    spent = {"objective": 0.0, "retr_": 0.0, "pullback_": 0.0, "auto_pgd": 0.0, "calls": 0}
+    def callback(event, i, xi):
+        sync(device)
+        now = time.perf_counter()
+        if event in ("start", "evaluate"):
+            clock[event] = now
+        elif event == "end":
+            spent["loop"] += now - clock["start"]
+        elif event == "evaluated":
+            spent["model"] += now - clock["evaluate"]
 
-    def timed(owner, name, key):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapped(*a, **k):
-            sync(device)
-            start = time.perf_counter()
-            out = original(*a, **k)
-            sync(device)
-            spent[key] += time.perf_counter() - start
-            if key == "objective":
-                spent["calls"] += 1
-            return out
-
-        setattr(owner, name, wrapped)
-        return original
-
-    originals = [
-        (space.PerturbationSpace, "retr_", timed(space.PerturbationSpace, "retr_", "retr_")),
-        (
-            space.PerturbationSpace,
-            "pullback_",
-            timed(space.PerturbationSpace, "pullback_", "pullback_"),
-        ),
-        (sharp._Objective, "__call__", timed(sharp._Objective, "__call__", "objective")),
-        (sharp, "auto_pgd", timed(sharp, "auto_pgd", "auto_pgd")),
-    ]
     model, batch, loss_fn = build(args.model, args.batch, args.seq, device)
     symmetries = geosharp.find_symmetries(model)
     out = {}
-    try:
-        for kw in MEASURES:
-            samples = []
-            for _ in range(args.repeats):
-                outside = {}
-                for n in (args.n_long, args.n_short):
-                    for key in spent:
-                        spent[key] = 0
-                    geosharp.sharpness(
-                        model,
-                        [batch],
-                        loss_fn,
-                        rho=RHO[kw],
-                        n_iters=n,
-                        symmetries=symmetries,
-                        autocast_dtype=autocast_dtype,
-                        **MEASURES[kw],
-                    )
-                    fwd_bwd = spent["objective"] - spent["retr_"] - spent["pullback_"]
-                    outside[n] = spent["auto_pgd"] - fwd_bwd
-                gap = args.n_long - args.n_short
-                samples.append((outside[args.n_long] - outside[args.n_short]) / gap)
-            out[kw] = statistics.median(samples)
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+    for kw in MEASURES:
+        samples = []
+        for _ in range(args.repeats):
+            outside = {}
+            for n in (args.n_long, args.n_short):
+                spent.update(loop=0.0, model=0.0)
+                geosharp.sharpness(
+                    model,
+                    [batch],
+                    loss_fn,
+                    measure=kw,
+                    rho=RHO[kw],
+                    n_iters=n,
+                    symmetries=symmetries,
+                    autocast_dtype=autocast_dtype,
+                    callback=callback,
+                )
+                outside[n] = spent["loop"] - spent["model"]
+            gap = args.n_long - args.n_short
+            samples.append((outside[args.n_long] - outside[args.n_short]) / gap)
+        out[kw] = statistics.median(samples)
     return out
 
 
@@ -257,7 +229,6 @@ def time_projection(heads: int, n: int, h: int, repeats: int) -> dict:
     import numpy as np
     from scipy.linalg import solve_sylvester
 
-    from geosharp.geometry import space
     from geosharp.geometry.pairs import InvMetric
 
     gen = torch.Generator().manual_seed(0)
@@ -278,11 +249,11 @@ def time_projection(heads: int, n: int, h: int, repeats: int) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times), result
 
-    t_solve, L = best_of(lambda: space._vertical_coefficient(state, gram_g, gram_h))
+    t_solve, L = best_of(lambda: state.vertical_coefficient((xG, xH)))
     t_reference, ref_out = best_of(lambda: state.project_horizontal((xG, xH)))
-    t_fused, out = best_of(lambda: space._project(state, (xG, xH)))
+    t_fused, out = best_of(lambda: state.proju((xG, xH)))
     x32 = (xG.float(), xH.float())
-    t_fused32, _ = best_of(lambda: space._project(state, x32))
+    t_fused32, _ = best_of(lambda: state.proju(x32))
 
     Gn, Hn, xGn, xHn = (t.numpy() for t in (G, H, xG, xH))
     P = np.einsum("bnh,bnk->bhk", Gn, Gn)
@@ -374,7 +345,7 @@ def memory_child(mode: str, args) -> dict:
             n_iters=3,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
-            **MEASURES[mode],
+            measure=mode,
         )
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
@@ -429,7 +400,7 @@ def measure_memory_cuda(args, device) -> dict:
                 n_iters=3,
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
-                **MEASURES[mode],
+                measure=mode,
             )
         torch.cuda.synchronize(device)
         out[mode] = {
@@ -460,10 +431,7 @@ def profile(args, device, autocast_dtype) -> None:
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
-    import geosharp.measures.apgd as apgd
     from geosharp.geometry import space
-
-    sharp = sys.modules["geosharp.measures.sharpness"]
 
     def label(owner, name):
         original = getattr(owner, name)
@@ -477,8 +445,14 @@ def profile(args, device, autocast_dtype) -> None:
 
     for name in ["retr_", "pullback_", "split_direction_", "combine_"]:
         label(space.PerturbationSpace, name)
-    label(apgd._L2Ball, "step_")
-    label(sharp._Objective, "__call__")
+    regions = []
+
+    def callback(event, i, xi):
+        if event == "evaluate":
+            regions.append(record_function("geosharp::loss_grad"))
+            regions[-1].__enter__()
+        elif event == "evaluated":
+            regions.pop().__exit__(None, None, None)
 
     model, batch, loss_fn = build(args.model, args.batch, args.seq, device)
     symmetries = geosharp.find_symmetries(model)
@@ -492,7 +466,7 @@ def profile(args, device, autocast_dtype) -> None:
             n_iters=2,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
-            **MEASURES[kw],
+            measure=kw,
         )
         with torch_profile(activities=activities) as prof:
             geosharp.sharpness(
@@ -503,7 +477,8 @@ def profile(args, device, autocast_dtype) -> None:
                 n_iters=args.n_long,
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
-                **MEASURES[kw],
+                measure=kw,
+                callback=callback,
             )
         print(f"\n== profile: {kw}, {args.n_long} steps ==")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
@@ -538,7 +513,7 @@ def report(args, device, timing, projection, memory) -> list[dict]:
         for name, extra in timing.get("overhead", {}).items():
             target = f"   {name}: fwd+bwd + in-loop work ({extra:.3f}s) / fwd+bwd"
             rows.append(_row(target, (ref + extra) / ref, 1.15, ref + extra))
-        for name in ("geodesic[inv]", "geodesic[mix]"):
+        for name in ("geodesic-inv", "geodesic-mix"):
             target = f"2. {name} step / adaptive step"
             rows.append(_row(target, steps[name] / steps["adaptive"], 1.10, steps[name]))
             extra = timing.get("overhead")

@@ -66,7 +66,7 @@ def test_measure_vision_builtin_digits(vit_dir, capsys):
     )
     assert code == 0
     payload = json.loads(capsys.readouterr().out)  # only JSON on stdout
-    assert payload["results"][0]["geometry"] == "geodesic[inv]"
+    assert payload["results"][0]["geometry"] == "geodesic-inv"
 
 
 def test_demo_quick(capsys):

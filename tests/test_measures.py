@@ -228,7 +228,8 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
     rho = 0.02
     best, best_xi, trace = auto_pgd(loss_grad, space, rho, n_iters=12, callback=callback)
     assert len(seen) == 12 and len(trace.losses) == 13
-    assert len(calls) == 13 + len(trace.restarts)  # a restart recomputes the gradient
+    # one call per step, and one per restart that is not at the current point
+    assert 13 <= len(calls) <= 13 + len(trace.restarts)
     for xi in seen:
         assert float(space.norm(xi)) <= rho * (1 + 1e-9)
         assert float(space.horizontal_residual(xi)) < 1e-9
@@ -262,9 +263,9 @@ def test_result_fields_and_json(small):
     assert len(r.per_batch) == len(small.batches) == len(r.traces)
     assert r.value == pytest.approx(sum(r.per_batch) / len(r.per_batch))
     assert r.value >= 0  # deterministic start: the unperturbed point is a candidate
-    assert r.geometry == "geodesic[inv]" and r.settings["n_pairs"] == 4
+    assert r.geometry == "geodesic-inv" and r.settings["n_pairs"] == 4
     assert '"per_batch"' in r.to_json()
-    assert "worst-case geodesic[inv]" in str(r)
+    assert "worst-case geodesic-inv" in str(r)
 
 
 def test_frozen_parameters_are_not_perturbed(small):

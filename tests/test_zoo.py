@@ -246,7 +246,7 @@ def test_seed_population_varies_only_the_seed():
     """The seed preset: every model shares the pilot's recipe; only the seed differs,
     and each measure has its own radius grid."""
     from geosharp.measures import DEFAULT_RHO
-    from geosharp.studies.pilot import SEED_RECIPE
+    from geosharp.studies.zoo import SEED_RECIPE
 
     preset = zoo.get_preset("text", "seeds")
     hps = zoo.sample_hyperparameters(preset)

@@ -5,11 +5,11 @@ worker) with ``torchrun``, call :func:`init` in each, and every process takes it
 of the work; the results are gathered so that every process (and every file written)
 holds exactly what a single process would have produced.
 
-* **Many batches of one model**: ``sharpness(..., distributed=True)`` (or
-  :func:`distributed_sharpness`). Every process iterates over the same ``batches`` and
-  measures batches ``rank, rank + world_size, ...``; the per-batch values, losses and
-  traces are all-gathered in batch order. Each batch draws its random start (or
-  directions) from its own generator, so the result does not depend on the split.
+* **Many batches of one model**: ``sharpness(..., distributed=True)``. Every process
+  iterates over the same ``batches`` and measures batches ``rank, rank + world_size,
+  ...``; the per-batch values, losses and traces are all-gathered in batch order.
+  Each batch draws its random start (or directions) from its own generator, so the
+  result does not depend on the split.
 * **A population of models** (or of measures, radii, checkpoints, ...):
   :func:`map_population` calls ``fn(item)`` for items ``rank, rank + world_size, ...``,
   gathers the results in item order and lets rank 0 write them to one JSON file,
@@ -54,7 +54,6 @@ from .io import write_json_atomic
 __all__ = [
     "barrier",
     "device",
-    "distributed_sharpness",
     "gather_in_order",
     "init",
     "is_distributed",
@@ -142,14 +141,6 @@ def gather_in_order(records: Sequence[tuple]) -> list[tuple]:
     if len(set(indices)) != len(indices):
         raise RuntimeError("two processes measured the same item: are the ranks consistent?")
     return merged
-
-
-def distributed_sharpness(model, batches, loss_fn, **kwargs):
-    """:func:`geosharp.sharpness` with ``distributed=True``: the batches are split over
-    the processes of the default group and the result is gathered on all of them."""
-    from .measures.sharpness import sharpness
-
-    return sharpness(model, batches, loss_fn, distributed=True, **kwargs)
 
 
 def map_population(

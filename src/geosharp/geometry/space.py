@@ -91,7 +91,7 @@ class Geometry:
         if name == "adaptive":
             return cls(name, None, False, False, relative=True, p=float(p), exp_elementwise=exp)
         pair_metric = get_metric(metric, eps)
-        full = f"{name}[{pair_metric.name}]"
+        full = f"{name}-{pair_metric.name}"  # the measure's name: "geodesic-inv", ...
         if name == "geodesic":
             return cls(full, pair_metric, True, True, True, exp_elementwise=exp)
         if name == "geodesic-norm-only":

@@ -1,13 +1,15 @@
 """Sharpness measures: Auto-PGD worst case and random-direction average case."""
 
 from .apgd import APGDTrace, auto_pgd, checkpoints
-from .catalog import DEFAULT_RHO, MEASURES, measure_kwargs
+from .catalog import DEFAULT_RHO, MEASURES, TABLE, Measure, measure_kwargs
 from .sharpness import SharpnessResult, sharpness
 
 __all__ = [
     "DEFAULT_RHO",
     "MEASURES",
+    "TABLE",
     "APGDTrace",
+    "Measure",
     "SharpnessResult",
     "auto_pgd",
     "checkpoints",

@@ -16,9 +16,11 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduction restarts from the best point.
 
 The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together; one more at each restart, for the best point's
-gradient, which is recomputed rather than kept), allocates no parameter-sized vector,
-and does not synchronise with the device outside checkpoints.
+loss and its gradient together), allocates no parameter-sized vector, and reads from
+the device once per checkpoint only. A restart needs the best point's gradient: where
+the best point is the current one (in practice nearly always) it is at hand;
+otherwise it is recomputed (one more forward+backward), or, with
+``keep_best_grad=True``, copied from a buffer kept for it.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def auto_pgd(
     xi0: Tensor | None = None,
     momentum: float = 0.75,
     callback: Callable[[str, int, Tensor], None] | None = None,
+    keep_best_grad: bool = False,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -204,10 +207,12 @@ def auto_pgd(
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
     Beyond the space, the loop holds five parameter-sized vectors: the point, the
-    gradient, ``xi``, the previous ``xi`` and the best ``xi``. ``callback(event, i,
-    xi)``, if given, is called with ``"evaluate"`` before and ``"evaluated"`` after each
-    call of ``loss_grad`` at ``xi``, and with ``"step"`` after the ``i``-th update made
-    ``xi`` (for diagnostics and benchmarks; it must not write ``xi``).
+    gradient, ``xi``, the previous ``xi`` and the best ``xi`` (and the best point's
+    gradient with ``keep_best_grad=True``; see the module's docstring). ``callback(event, i,
+    xi)``, if given, is called with ``"start"`` and ``"end"`` (``xi``: the start and the
+    best point), ``"evaluate"`` before and ``"evaluated"`` after each call of
+    ``loss_grad`` at ``xi``, and ``"step"`` after the ``i``-th update made ``xi`` (for
+    diagnostics and benchmarks; it must not write ``xi``).
 
     On a GPU the loop never waits for the device outside the checkpoints (the best point
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
@@ -227,8 +232,11 @@ def auto_pgd(
 
     xi = buffers.take().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
+    notify("start", 0, xi)
     value, grad, step = evaluate(xi, 0)
     best_value, best_xi = value, xi.clone()
+    best_grad = grad.clone() if keep_best_grad else None
+    improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
     on_host = xi.device.type in _HOST_DEVICES
     xi_prev = xi
@@ -255,28 +263,42 @@ def auto_pgd(
         if on_host:
             if bool(improved):
                 best_xi.copy_(xi)
+                if best_grad is not None:
+                    best_grad.copy_(grad)
         else:
             torch.where(improved, xi, best_xi, out=best_xi)
+            if best_grad is not None:
+                torch.where(improved, grad, best_grad, out=best_grad)
         values.append(value)
         bests.append(best_value)
 
         done = i + 1
-        if done in marks:
-            too_few = increases.item() < 0.75 * (done - last_mark)
-            stalled = (not reduced_last) and bool(best_at_mark == best_value)
+        if done in marks:  # the one read from the device per checkpoint
+            flags = torch.stack([increases, best_at_mark == best_value, improved])
+            n_up, same_best, at_best = flags.double().tolist()
+            too_few = n_up < 0.75 * (done - last_mark)
+            stalled = (not reduced_last) and bool(same_best)
             reduced_last = too_few or stalled
-            if reduced_last:
+            if reduced_last:  # halve the step and go back to the best point
                 eta /= 2.0
-                buffers.give(xi, xi_prev, grad)
-                xi = buffers.take().copy_(best_xi)
+                if xi_prev is not xi:
+                    buffers.give(xi_prev)
                 xi_prev = xi
-                value, grad, step = evaluate(xi, done)  # the best point's gradient
+                if not at_best:
+                    xi.copy_(best_xi)
+                    if best_grad is not None:
+                        grad.copy_(best_grad)
+                        value, step = best_value, None
+                    else:
+                        buffers.give(grad)
+                        value, grad, step = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)
             best_at_mark, last_mark = best_value, done
             increases = torch.zeros((), device=xi.device)
         etas.append(eta)
 
+    notify("end", n_iters, best_xi)
     trace = APGDTrace(
         losses=torch.stack(values).tolist(),
         best=torch.stack(bests).tolist(),

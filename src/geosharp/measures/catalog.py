@@ -1,42 +1,106 @@
-"""Named measures, as used by the CLI and the studies: ``"geodesic-mix"`` and so on."""
+"""The table of named measures: one row per measure, the single source of the names,
+their :func:`geosharp.sharpness` settings, default radii and the paper's numbers.
+
+The CLI, the studies, the demo, the benchmark and the tests all read this table;
+``MEASURES``, ``DEFAULT_RHO`` and ``PAPER_TABLE`` are views of it.
+"""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_RHO", "MEASURES", "default_rho", "measure_kwargs", "measure_name"]
+from dataclasses import dataclass, field
 
-# name -> keyword arguments of `sharpness`
-MEASURES: dict[str, dict] = {
-    "euclidean": dict(geometry="euclidean"),
-    "adaptive": dict(geometry="adaptive"),
-    "adaptive-linf": dict(geometry="adaptive", p=float("inf")),
-    "geodesic-inv": dict(geometry="geodesic", metric="inv"),
-    "geodesic-mix": dict(geometry="geodesic", metric="mix"),
-    "geodesic-norm-only-inv": dict(geometry="geodesic-norm-only", metric="inv"),
-    "geodesic-norm-only-mix": dict(geometry="geodesic-norm-only", metric="mix"),
-    "geodesic-curvature-only-inv": dict(geometry="geodesic-curvature-only", metric="inv"),
-    "geodesic-curvature-only-mix": dict(geometry="geodesic-curvature-only", metric="mix"),
-    # attention only: the pairs' parameters (query/key/value/output), where they differ
-    "adaptive-attn": dict(geometry="adaptive", parameters="pairs"),
-    "geodesic-inv-attn": dict(geometry="geodesic", metric="inv", parameters="pairs"),
-    "geodesic-mix-attn": dict(geometry="geodesic", metric="mix", parameters="pairs"),
+__all__ = [
+    "DEFAULT_RHO",
+    "MEASURES",
+    "PAPER_SETTINGS",
+    "PAPER_TABLE",
+    "TABLE",
+    "Measure",
+    "default_rho",
+    "measure_kwargs",
+    "measure_name",
+]
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One named measure.
+
+    ``rho`` is its default radius: relative (scale-free) for ``adaptive`` and ``inv``,
+    absolute for ``mix`` and Euclidean (MATH.md section 2), so compare measures over a
+    grid of radii, not at one shared ``rho``. ``paper_tau``: Kendall tau with the
+    generalization gap in the paper's Table, by setting (:data:`PAPER_SETTINGS`).
+    """
+
+    name: str
+    geometry: str
+    metric: str | None = None
+    p: float = 2.0
+    parameters: str | None = None  # "pairs": the attention pairs' parameters only
+    rho: float = 0.05
+    paper_tau: dict[str, float] = field(default_factory=dict)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of :func:`geosharp.sharpness` that select this measure."""
+        out: dict = {"geometry": self.geometry}
+        if self.metric is not None:
+            out["metric"] = self.metric
+        if self.p != 2.0:
+            out["p"] = self.p
+        if self.parameters is not None:
+            out["parameters"] = self.parameters
+        return out
+
+
+# The paper's Table (MATH.md section 8): its three settings.
+PAPER_SETTINGS = {
+    "diagonal": "diagonal networks",
+    "clip": "ImageNet, CLIP ViT-B/32 fine-tunes (72 models)",
+    "bert": "MNLI, BERT fine-tunes (35 models)",
 }
 
-# Starting radii. adaptive and inv are relative (scale-free), mix and Euclidean absolute
-# (MATH.md section 2): compare measures over a grid of radii, not at one shared rho.
-DEFAULT_RHO: dict[str, float] = {
-    "euclidean": 0.05,
-    "adaptive": 0.05,
-    "adaptive-linf": 0.005,
-    "geodesic-inv": 0.05,
-    "geodesic-mix": 0.005,
-    "geodesic-norm-only-inv": 0.05,
-    "geodesic-norm-only-mix": 0.005,
-    "geodesic-curvature-only-inv": 0.05,
-    "geodesic-curvature-only-mix": 0.05,
-    "adaptive-attn": 0.05,
-    "geodesic-inv-attn": 0.05,
-    "geodesic-mix-attn": 0.005,
+_INF = float("inf")
+TABLE: dict[str, Measure] = {
+    m.name: m
+    for m in (
+        Measure("euclidean", "euclidean"),
+        Measure("adaptive", "adaptive", paper_tau={"diagonal": -0.68, "clip": -0.41, "bert": 0.06}),
+        Measure("adaptive-linf", "adaptive", p=_INF, rho=0.005),
+        Measure(
+            "geodesic-inv",
+            "geodesic",
+            "inv",
+            paper_tau={"diagonal": -0.83, "clip": -0.71, "bert": 0.28},
+        ),
+        Measure(
+            "geodesic-mix",
+            "geodesic",
+            "mix",
+            rho=0.005,
+            paper_tau={"diagonal": -0.86, "clip": -0.70, "bert": 0.38},
+        ),
+        Measure("geodesic-norm-only-inv", "geodesic-norm-only", "inv"),
+        Measure("geodesic-norm-only-mix", "geodesic-norm-only", "mix", rho=0.005),
+        Measure("geodesic-curvature-only-inv", "geodesic-curvature-only", "inv"),
+        Measure("geodesic-curvature-only-mix", "geodesic-curvature-only", "mix"),
+        # attention only: the pairs' parameters (query/key/value/output), where they differ
+        Measure("adaptive-attn", "adaptive", parameters="pairs"),
+        Measure("geodesic-inv-attn", "geodesic", "inv", parameters="pairs"),
+        Measure("geodesic-mix-attn", "geodesic", "mix", parameters="pairs", rho=0.005),
+    )
 }
+
+MEASURES: dict[str, dict] = {name: m.kwargs() for name, m in TABLE.items()}
+"""Name -> keyword arguments of :func:`geosharp.sharpness`."""
+
+DEFAULT_RHO: dict[str, float] = {name: m.rho for name, m in TABLE.items()}
+"""Name -> default radius."""
+
+PAPER_TABLE: list[tuple[str, float, float, float]] = [
+    (label, *(TABLE[n].paper_tau[key] for n in ("adaptive", "geodesic-inv", "geodesic-mix")))
+    for key, label in PAPER_SETTINGS.items()
+]
+"""The paper's Table: ``(setting, tau adaptive, tau geodesic-inv, tau geodesic-mix)``."""
 
 
 def measure_kwargs(name: str) -> dict:
@@ -46,9 +110,9 @@ def measure_kwargs(name: str) -> dict:
     {'geometry': 'geodesic', 'metric': 'mix'}
     """
     try:
-        return dict(MEASURES[name])
+        return TABLE[name].kwargs()
     except KeyError:
-        raise ValueError(f"unknown measure {name!r}; choose from: {', '.join(MEASURES)}") from None
+        raise ValueError(f"unknown measure {name!r}; choose from: {', '.join(TABLE)}") from None
 
 
 def measure_name(
@@ -61,17 +125,17 @@ def measure_name(
     >>> measure_name("geodesic", "inv", parameters="pairs")
     'geodesic-inv-attn'
     """
-    for name, kwargs in MEASURES.items():
+    for name, m in TABLE.items():
         if (
-            kwargs.get("parameters") == parameters
-            and kwargs["geometry"] == geometry
-            and kwargs.get("metric", metric) == metric
-            and kwargs.get("p", 2.0) == p
+            m.parameters == parameters
+            and m.geometry == geometry
+            and (m.metric or metric) == metric
+            and m.p == p
         ):
             return name
     raise ValueError(
         f"no named measure has geometry={geometry!r}, metric={metric!r}, p={p}; "
-        f"choose from: {', '.join(MEASURES)}"
+        f"choose from: {', '.join(TABLE)}"
     )
 
 

@@ -20,7 +20,7 @@ import functools
 import json
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -96,7 +96,9 @@ def sharpness(
     progress: bool = False,
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
-    measure: str | None = None,
+    measure: str | Geometry | None = None,
+    callback: Callable[[str, int, Tensor], None] | None = None,
+    keep_best_grad: bool = False,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
 
@@ -146,8 +148,14 @@ def sharpness(
             the full result, identical to a single-process run (see
             :mod:`geosharp.distributed`).
         measure: a named measure of :data:`geosharp.measures.MEASURES`
-            (``"geodesic-inv"``, ``"adaptive-attn"``, ...); it sets ``geometry``,
-            ``metric``, ``p`` and, for the ``*-attn`` measures, ``parameters``.
+            (``"geodesic-inv"``, ``"adaptive-attn"``, ...), which sets ``geometry``,
+            ``metric``, ``p`` and, for the ``*-attn`` measures, ``parameters``; or a
+            :class:`~geosharp.geometry.Geometry` (``Geometry.named(...)`` or your own).
+        callback: ``callback(event, i, xi)`` for diagnostics and benchmarks, handed to
+            :func:`~geosharp.measures.auto_pgd` (worst case; see its events).
+        keep_best_grad: keep a copy of Auto-PGD's best point's gradient (one more
+            parameter-sized buffer) rather than recompute it at a restart that does not
+            start from the current point (rare). The values are the same.
 
     Half-precision (``bfloat16``/``float16``) models are measured in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
@@ -159,9 +167,14 @@ def sharpness(
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
     batch's value does not depend on which process measures it.
     """
-    from .catalog import default_rho, measure_kwargs
+    from .catalog import DEFAULT_RHO, default_rho, measure_kwargs
 
-    if measure is not None:
+    given = measure if isinstance(measure, Geometry) else None
+    if given is not None:
+        metric, p = given.metric.name if given.metric else metric, given.p
+        eps = getattr(given.metric, "eps", eps)
+        elementwise_step = "exp" if given.exp_elementwise else "straight"
+    elif measure is not None:
         spec = measure_kwargs(measure)
         geometry, metric = spec["geometry"], spec.get("metric", metric)
         p, parameters = spec.get("p", 2.0), spec.get("parameters", parameters)
@@ -171,9 +184,16 @@ def sharpness(
         raise ValueError(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
-    geo = Geometry.named(geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step)
+    geo = given or Geometry.named(
+        geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step
+    )
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
-    if rho is None:
+    if rho is None and given is not None:
+        name = given.name + ("-linf" if p != 2 else "") + ("-attn" if pairs_only else "")
+        if name not in DEFAULT_RHO:
+            raise ValueError(f"geometry {given.name!r} has no default radius: pass rho")
+        rho = DEFAULT_RHO[name]
+    elif rho is None:
         rho = default_rho(geometry, metric, p, "pairs" if pairs_only else None)
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
@@ -227,7 +247,15 @@ def sharpness(
                     xi0 = None
                     if start > 0 or first_random:
                         xi0 = _scale_to(space, space.random(generator), rho)
-                    value, _, run = auto_pgd(objective, space, rho, n_iters, xi0)
+                    value, _, run = auto_pgd(
+                        objective,
+                        space,
+                        rho,
+                        n_iters,
+                        xi0,
+                        callback=callback,
+                        keep_best_grad=keep_best_grad,
+                    )
                     per_start.append(float(value) - loss0)
                     if float(value) > best:
                         best, trace = float(value), run

@@ -76,6 +76,7 @@ from ..geometry.space import Geometry, PerturbationSpace
 from ..io import write_json_atomic
 from ..layout import ParameterLayout
 from ..measures.apgd import auto_pgd
+from ..measures.catalog import TABLE
 from ..models.diagonal import (
     DiagonalNet,
     adaptive_sharpness_diagonal,
@@ -105,7 +106,7 @@ __all__ = [
     "write_figures",
 ]
 
-PAPER_TAUS = {"adaptive": -0.68, "geodesic-inv": -0.83, "geodesic-mix": -0.86}
+PAPER_TAUS = {name: m.paper_tau["diagonal"] for name, m in TABLE.items() if m.paper_tau}
 
 # name -> (label, paper's measure it corresponds to, how it is computed)
 MEASURES: dict[str, tuple[str, str | None, str]] = {

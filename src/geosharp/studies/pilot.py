@@ -121,19 +121,6 @@ def maximiser_check(
     )
 
 
-# The recipe of the planned seed population (MiniLM-L6, all 6 layers, mean pooling and a
-# linear head, Rotten Tomatoes): one fixed training set and recipe, only the seed varies.
-SEED_RECIPE = dict(
-    lr=5e-5,
-    epochs=5,
-    batch_size=32,
-    n_train=1000,
-    label_noise=0.0,
-    freeze_embeddings=False,
-    layers=6,
-    max_length=32,
-    weight_decay=0.01,
-)
 DESCRIPTION = (
     "Pilot of the seed-population study: train one MiniLM-L6 fine-tune with the fixed "
     "recipe, record s(2 rho)/s(rho) over a doubling grid and how much more Auto-PGD steps "
@@ -182,7 +169,7 @@ def run(args) -> int:
 
     torch.set_num_threads(args.threads)
     out = Path(args.out) / "pilot.json"
-    hp = dict(SEED_RECIPE, seed=args.seed, id=f"pilot-{args.seed}")
+    hp = dict(zoo.SEED_RECIPE, seed=args.seed, id=f"pilot-{args.seed}")
     start = time.time()
     model, metrics = zoo.train_one(hp, "text", 2000)
     ids, mask, y = zoo.text_train_set(hp)
