@@ -429,8 +429,12 @@ class MixMetric(PairMetric):
         return MixState(G, H, P, Q, P_inv, Q_inv)
 
 
-def get_metric(name: str, eps: float = 0.0) -> PairMetric:
-    """``"inv"`` (with ``eps``) or ``"mix"``."""
+def get_metric(name: str | PairMetric, eps: float = 0.0) -> PairMetric:
+    """``"inv"`` (with ``eps``), ``"mix"``, or a :class:`PairMetric` of your own."""
+    if isinstance(name, PairMetric):
+        if eps:
+            raise ValueError("eps is for the built-in 'inv' metric; set it in your metric")
+        return name
     if name == "inv":
         return InvMetric(eps=eps)
     if name == "mix":

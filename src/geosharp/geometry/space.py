@@ -68,7 +68,7 @@ class Geometry:
     def named(
         cls,
         name: str,
-        metric: str = "inv",
+        metric: str | PairMetric = "inv",
         eps: float = 0.0,
         p: float = 2.0,
         elementwise_step: str = "straight",
