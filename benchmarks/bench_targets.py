@@ -8,13 +8,19 @@
 
 Targets (ratios of times measured in this run, on this machine):
 
-1. one Auto-PGD step <= 1.15x one forward+backward of the model on the same batch, for
-   adaptive and geodesic sharpness;
-2. one geodesic step <= 1.10x one adaptive step (BERT-base-shaped attention), both metrics;
+1. one Auto-PGD step <= 1.05x one forward+backward of the model on the same batch for
+   adaptive sharpness, <= 1.10x for geodesic sharpness;
+2. one geodesic step <= 1.05x one adaptive step (BERT-base-shaped attention), both metrics;
 3. the batched horizontal projection >= 20x faster than a per-head
    ``scipy.linalg.solve_sylvester`` loop, 144 heads of h = 64;
-4. peak memory <= the model + one training step's activations + 3 parameter-sized
-   buffers.
+4. peak memory <= the model + one training step (activations and gradient) + 4
+   parameter-sized buffers (geodesic), 3 (adaptive).
+
+Auto-PGD keeps a copy of the best point's gradient for its restarts (the default);
+``--recompute-best-grad`` measures ``keep_best_grad=False`` instead (one buffer less,
+a forward+backward more per restart away from the current point). The step timings
+count the forward+backward passes of each call through the ``callback`` and print
+their number per step.
 
 How each is measured:
 
@@ -126,6 +132,11 @@ def time_steps(args, device, autocast_dtype) -> dict:
         sync(device)
         return time.perf_counter() - start
 
+    calls = {"n": 0}
+
+    def count(event, i, xi):
+        calls["n"] += event == "evaluate"
+
     def run(kw, n) -> float:
         sync(device)
         start = time.perf_counter()
@@ -138,6 +149,8 @@ def time_steps(args, device, autocast_dtype) -> dict:
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=kw,
+            callback=count,
+            keep_best_grad=not args.recompute_best_grad,
         )
         sync(device)
         return time.perf_counter() - start
@@ -148,12 +161,18 @@ def time_steps(args, device, autocast_dtype) -> dict:
         run(kw, 1)
     fresh, kept = [], []
     steps = {k: [] for k in MEASURES}
+    per_step = {k: [] for k in MEASURES}  # forward+backward passes per step
     for r in range(args.repeats):
         fresh.append(fwd_bwd(True))
         kept.append(fwd_bwd(False))
         for kw in MEASURES:
-            t_long, t_short = run(kw, args.n_long), run(kw, args.n_short)
-            steps[kw].append((t_long - t_short) / (args.n_long - args.n_short))
+            calls["n"] = 0
+            t_long = run(kw, args.n_long)
+            calls_long, calls["n"] = calls["n"], 0
+            t_short = run(kw, args.n_short)
+            gap = args.n_long - args.n_short
+            steps[kw].append((t_long - t_short) / gap)
+            per_step[kw].append((calls_long - calls["n"]) / gap)
         print(
             f"  repeat {r + 1}/{args.repeats}: fwd+bwd {fresh[-1]:.3f}s / {kept[-1]:.3f}s, "
             + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in steps.items()),
@@ -166,6 +185,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
         "fwd_bwd_kept_grads": statistics.median(kept),
         "steps": {k: statistics.median(v) for k, v in steps.items()},
         "step_samples": steps,
+        "fwd_bwd_per_step": per_step,
     }
 
 
@@ -249,7 +269,8 @@ def time_projection(heads: int, n: int, h: int, repeats: int) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times), result
 
-    t_solve, L = best_of(lambda: state.vertical_coefficient((xG, xH)))
+    # the solve alone, from the h x h reductions (a private method: timed, not tested)
+    t_solve, L = best_of(lambda: state._coefficient(gram_g, gram_h))
     t_reference, ref_out = best_of(lambda: state.project_horizontal((xG, xH)))
     t_fused, out = best_of(lambda: state.proju((xG, xH)))
     x32 = (xG.float(), xH.float())
@@ -346,6 +367,7 @@ def memory_child(mode: str, args) -> dict:
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=mode,
+            keep_best_grad=not args.recompute_best_grad,
         )
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
@@ -369,6 +391,7 @@ def measure_memory(args, device) -> dict:
             str(args.seq),
             "--autocast",
             args.autocast,
+            *(["--recompute-best-grad"] if args.recompute_best_grad else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -401,6 +424,7 @@ def measure_memory_cuda(args, device) -> dict:
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
                 measure=mode,
+                keep_best_grad=not args.recompute_best_grad,
             )
         torch.cuda.synchronize(device)
         out[mode] = {
@@ -509,18 +533,20 @@ def report(args, device, timing, projection, memory) -> list[dict]:
         ref = min(timing["fwd_bwd_fresh_grads"], timing["fwd_bwd_kept_grads"])
         steps = timing["steps"]
         for name, t in steps.items():
-            rows.append(_row(f"1. {name} step / forward+backward", t / ref, 1.15, t))
+            limit = 1.05 if name == "adaptive" else 1.10
+            rows.append(_row(f"1. {name} step / forward+backward", t / ref, limit, t))
         for name, extra in timing.get("overhead", {}).items():
+            limit = 1.05 if name == "adaptive" else 1.10
             target = f"   {name}: fwd+bwd + in-loop work ({extra:.3f}s) / fwd+bwd"
-            rows.append(_row(target, (ref + extra) / ref, 1.15, ref + extra))
+            rows.append(_row(target, (ref + extra) / ref, limit, ref + extra))
         for name in ("geodesic-inv", "geodesic-mix"):
             target = f"2. {name} step / adaptive step"
-            rows.append(_row(target, steps[name] / steps["adaptive"], 1.10, steps[name]))
+            rows.append(_row(target, steps[name] / steps["adaptive"], 1.05, steps[name]))
             extra = timing.get("overhead")
             if extra:
                 value = (ref + extra[name]) / (ref + extra["adaptive"])
                 target = f"   {name}: same, from the in-loop work"
-                rows.append(_row(target, value, 1.10, ref + extra[name]))
+                rows.append(_row(target, value, 1.05, ref + extra[name]))
     if projection is not None:
         p = projection
         shape = f"{p['heads']} x ({p['n']}x{p['h']})"
@@ -545,7 +571,8 @@ def report(args, device, timing, projection, memory) -> list[dict]:
     if memory is not None:
         for name, k in memory["buffers"].items():
             target = f"4. {name} peak: parameter-sized buffers"
-            rows.append(_row(target, k, 3, None, unit=""))
+            limit = 3 if name == "adaptive" else 4
+            rows.append(_row(target, k, limit, None, unit=""))
 
     threads = torch.get_num_threads()
     print(
@@ -557,7 +584,11 @@ def report(args, device, timing, projection, memory) -> list[dict]:
         print(
             f"parameters {timing['n_parameters']:,}; forward+backward "
             f"{timing['fwd_bwd_fresh_grads']:.3f}s (fresh gradients), "
-            f"{timing['fwd_bwd_kept_grads']:.3f}s (gradients kept)"
+            f"{timing['fwd_bwd_kept_grads']:.3f}s (gradients kept); forward+backward passes "
+            "per Auto-PGD step: "
+            + ", ".join(
+                f"{k} {statistics.mean(v):.2f}" for k, v in timing["fwd_bwd_per_step"].items()
+            )
         )
     if projection is not None:
         p = projection
@@ -608,6 +639,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile instead of measuring")
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--recompute-best-grad",
+        action="store_true",
+        help="keep_best_grad=False: recompute Auto-PGD's best gradient at restarts",
+    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:

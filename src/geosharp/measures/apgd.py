@@ -17,10 +17,10 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
 
 The loop makes one forward and one backward per step (the objective returns the
 loss and its gradient together), allocates no parameter-sized vector, and reads from
-the device once per checkpoint only. A restart needs the best point's gradient: where
-the best point is the current one (in practice nearly always) it is at hand;
-otherwise it is recomputed (one more forward+backward), or, with
-``keep_best_grad=True``, copied from a buffer kept for it.
+the device once per checkpoint only. A restart needs the best point's gradient: a copy
+is kept (``keep_best_grad=True``, the default), or, to save that parameter-sized
+buffer, it is recomputed when the best point is not the current one (one more
+forward+backward; on a random BERT-base, 1.25-2 passes per step over 2-6 steps).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def auto_pgd(
     xi0: Tensor | None = None,
     momentum: float = 0.75,
     callback: Callable[[str, int, Tensor], None] | None = None,
-    keep_best_grad: bool = False,
+    keep_best_grad: bool = True,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -206,9 +206,9 @@ def auto_pgd(
     gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
-    Beyond the space, the loop holds five parameter-sized vectors: the point, the
-    gradient, ``xi``, the previous ``xi`` and the best ``xi`` (and the best point's
-    gradient with ``keep_best_grad=True``; see the module's docstring). ``callback(event, i,
+    Beyond the space, the loop holds six parameter-sized vectors: the point, the
+    gradient, ``xi``, the previous ``xi``, the best ``xi`` and its gradient (five with
+    ``keep_best_grad=False``; see the module's docstring). ``callback(event, i,
     xi)``, if given, is called with ``"start"`` and ``"end"`` (``xi``: the start and the
     best point), ``"evaluate"`` before and ``"evaluated"`` after each call of
     ``loss_grad`` at ``xi``, and ``"step"`` after the ``i``-th update made ``xi`` (for

@@ -98,7 +98,7 @@ def sharpness(
     distributed: bool = False,
     measure: str | Geometry | None = None,
     callback: Callable[[str, int, Tensor], None] | None = None,
-    keep_best_grad: bool = False,
+    keep_best_grad: bool = True,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
 
@@ -153,9 +153,10 @@ def sharpness(
             :class:`~geosharp.geometry.Geometry` (``Geometry.named(...)`` or your own).
         callback: ``callback(event, i, xi)`` for diagnostics and benchmarks, handed to
             :func:`~geosharp.measures.auto_pgd` (worst case; see its events).
-        keep_best_grad: keep a copy of Auto-PGD's best point's gradient (one more
-            parameter-sized buffer) rather than recompute it at a restart that does not
-            start from the current point (rare). The values are the same.
+        keep_best_grad: keep a copy of Auto-PGD's best point's gradient for its
+            restarts (the default); ``False`` saves that parameter-sized buffer and
+            recomputes the gradient where a restart does not start from the current
+            point (up to one more forward+backward per restart). Same values.
 
     Half-precision (``bfloat16``/``float16``) models are measured in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
