@@ -1,0 +1,56 @@
+"""The measures' values on the test zoo, as JSON: run it with two versions of the core
+and compare, to check that a change of the core keeps every measured value.
+
+    python benchmarks/values_snapshot.py new.json
+    PYTHONPATH=/path/to/old/checkout/src python benchmarks/values_snapshot.py old.json
+
+Covers the float64 and float32 zoo models (``tests/zoo.py``), eight geometries, two
+radii, one and two Auto-PGD starts and the average case (288 values, about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import geosharp
+from zoo import CASES
+
+SETTINGS = {
+    "adaptive": dict(geometry="adaptive"),
+    "adaptive-linf": dict(geometry="adaptive", p=float("inf")),
+    "geodesic-inv": dict(geometry="geodesic", metric="inv"),
+    "geodesic-mix": dict(geometry="geodesic", metric="mix"),
+    "geodesic-norm-only-inv": dict(geometry="geodesic-norm-only", metric="inv"),
+    "geodesic-curvature-only-mix": dict(geometry="geodesic-curvature-only", metric="mix"),
+    "euclidean": dict(geometry="euclidean"),
+    "adaptive-exp": dict(geometry="adaptive", elementwise_step="exp"),
+}
+
+
+def main(path: str) -> None:
+    torch.set_num_threads(1)
+    out = {}
+    for dtype in (torch.float64, torch.float32):
+        for name, make in CASES.items():
+            case = make(dtype=dtype)
+            for measure, kw in SETTINGS.items():
+                for rho in (0.01, 0.05):
+                    for extra in ({}, {"starts": 2}, {"kind": "average", "n_samples": 3}):
+                        value = geosharp.sharpness(
+                            case.model, case.batches, case.loss_fn, rho=rho, n_iters=20,
+                            **kw, **extra,
+                        ).value  # fmt: skip
+                        key = f"{dtype}|{name}|{measure}|{rho}|{sorted(extra.items())}"
+                        out[key] = value
+    Path(path).write_text(json.dumps(out, indent=0))
+    print(f"{len(out)} values in {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
