@@ -157,6 +157,10 @@ class PairState(ABC):
     def norm(self, xi: Tangent) -> Tensor:
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
+    def _operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``G, H, P^{-1}, Q^{-1}`` in ``dtype`` (cached): the hot path's operands."""
+        return tuple(self._cast(n, dtype) for n in ("G", "H", "P_inv", "Q_inv"))  # type: ignore[return-value]
+
     def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
         cache = self.__dict__.setdefault("_casts", {})
         key = (name, dtype)
@@ -209,8 +213,7 @@ class InvState(PairState):
 
     def geodesic_acceleration(self, xi: Tangent) -> Tangent:
         dtype = xi[0].dtype
-        G, H = self._cast("G", dtype), self._cast("H", dtype)
-        P_inv, Q_inv = self._cast("P_inv", dtype), self._cast("Q_inv", dtype)
+        G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
         aG = xG @ (P_inv @ (_t(xG) @ G + _t(G) @ xG)) - G @ (P_inv @ (_t(xG) @ xG))
         aH = xH @ (Q_inv @ (_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ (_t(xH) @ xH))
@@ -235,20 +238,10 @@ class InvState(PairState):
         return _project(self, xi)
 
     def direction(self, egrad: Tangent) -> Tangent:
-        # rgrad = (gG P, gH Q); its two h x h reductions are those of g times P, Q
-        dt = egrad[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
-        L = self._coefficient(self.P @ gram_g, gram_h @ self.Q).to(dt)
-        A, B = self._cast("P", dt), self._cast("Q", dt)
-        return torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1), torch.bmm(egrad[1], B).baddbmm_(
-            H, _t(L)
-        )
+        return _direction(self, egrad, "P", "Q")  # rgrad = (gG P, gH Q)
 
     def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
-        dt = xi[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
         out, saved = [], []
         for xx, B, B_inv in ((xi[0], G, P_inv), (xi[1], H, Q_inv)):
             M = B_inv @ _sym(_t(xx) @ B)
@@ -260,10 +253,8 @@ class InvState(PairState):
     def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
         if saved is None:
             saved = self.accelerate(xi)[1]
-        dt = u[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
-        eye = torch.eye(G.shape[-1], dtype=dt, device=G.device)
+        G, H, P_inv, Q_inv = self._operands(u[0].dtype)
+        eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
         out = []
         for xx, B, B_inv, uu, M in (
             (xi[0], G, P_inv, u[0], saved[0]),
@@ -352,8 +343,7 @@ class MixState(PairState):
 
     def geodesic_acceleration(self, xi: Tangent) -> Tangent:
         dtype = xi[0].dtype
-        G, H = self._cast("G", dtype), self._cast("H", dtype)
-        P_inv, Q_inv = self._cast("P_inv", dtype), self._cast("Q_inv", dtype)
+        G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
         aG = (G @ (_t(xH) @ xH) - xG @ (_t(xH) @ H + _t(H) @ xH)) @ Q_inv
         aH = (H @ (_t(xG) @ xG) - xH @ (_t(xG) @ G + _t(G) @ xG)) @ P_inv
@@ -369,20 +359,10 @@ class MixState(PairState):
         return _project(self, xi)
 
     def direction(self, egrad: Tangent) -> Tangent:
-        # rgrad = (gG Q^-1, gH P^-1)
-        dt = egrad[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
-        L = self._coefficient(self.Q_inv @ gram_g, gram_h @ self.P_inv).to(dt)
-        A, B = self._cast("Q_inv", dt), self._cast("P_inv", dt)
-        return torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1), torch.bmm(egrad[1], B).baddbmm_(
-            H, _t(L)
-        )
+        return _direction(self, egrad, "Q_inv", "P_inv")  # rgrad = (gG Q^-1, gH P^-1)
 
     def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
-        dt = xi[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
+        G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
         xG, xH = xi
         Bm = _sym(_t(xH) @ H)  # xH^T H + H^T xH
         D = _sym(_t(xG) @ G)
@@ -393,10 +373,8 @@ class MixState(PairState):
     def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
         if saved is None:
             saved = self.accelerate(xi)[1]
-        dt = u[0].dtype
-        G, H = self._cast("G", dt), self._cast("H", dt)
-        P_inv, Q_inv = self._cast("P_inv", dt), self._cast("Q_inv", dt)
-        eye = torch.eye(G.shape[-1], dtype=dt, device=G.device)
+        G, H, P_inv, Q_inv = self._operands(u[0].dtype)
+        eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
         (xG, xH), (uG, uH), (Bm, D) = xi, u, saved
         # aG = (G A - xG Bm) Q^-1, aH = (H C - xH D) P^-1 (A = xH^T xH, C = xG^T xG): with
         # E = G^T uG Q^-1, F = xG^T uG Q^-1, E' = H^T uH P^-1, F' = xH^T uH P^-1,
@@ -467,6 +445,23 @@ def _project(state: InvState | MixState, x: Tangent) -> Tangent:
     G, H = state._cast("G", dt), state._cast("H", dt)
     L = state._coefficient((_t(x[0]) @ G).double(), (_t(H) @ x[1]).double()).to(dt)
     return torch.baddbmm(x[0], G, L, alpha=-1), torch.baddbmm(x[1], H, _t(L))
+
+
+def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str) -> Tangent:
+    """``project_horizontal(egrad2rgrad(egrad))`` fused, for a Riemannian gradient
+    ``(gG A, gH B)`` with the symmetric ``A, B`` named ``left, right``: its two h x h
+    reductions are those of ``egrad`` times ``A, B``, so it is never formed before the
+    projection."""
+    dt = egrad[0].dtype
+    G, H = state._cast("G", dt), state._cast("H", dt)
+    gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
+    L = state._coefficient(getattr(state, left) @ gram_g, gram_h @ getattr(state, right))
+    L = L.to(dt)
+    A, B = state._cast(left, dt), state._cast(right, dt)
+    return (
+        torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1),
+        torch.bmm(egrad[1], B).baddbmm_(H, _t(L)),
+    )
 
 
 def _gaussian_products(
