@@ -16,9 +16,7 @@ __all__ = [
     "PAPER_TABLE",
     "TABLE",
     "Measure",
-    "default_rho",
     "measure_kwargs",
-    "measure_name",
 ]
 
 
@@ -113,38 +111,3 @@ def measure_kwargs(name: str) -> dict:
         return TABLE[name].kwargs()
     except KeyError:
         raise ValueError(f"unknown measure {name!r}; choose from: {', '.join(TABLE)}") from None
-
-
-def measure_name(
-    geometry: str, metric: str = "inv", p: float = 2.0, parameters: str | None = None
-) -> str:
-    """The table's name of a :func:`geosharp.sharpness` configuration.
-
-    >>> measure_name("geodesic", "mix"), measure_name("adaptive", p=float("inf"))
-    ('geodesic-mix', 'adaptive-linf')
-    >>> measure_name("geodesic", "inv", parameters="pairs")
-    'geodesic-inv-attn'
-    """
-    for name, m in TABLE.items():
-        if (
-            m.parameters == parameters
-            and m.geometry == geometry
-            and (m.metric or metric) == metric
-            and m.p == p
-        ):
-            return name
-    raise ValueError(
-        f"no named measure has geometry={geometry!r}, metric={metric!r}, p={p}; "
-        f"choose from: {', '.join(TABLE)}"
-    )
-
-
-def default_rho(
-    geometry: str, metric: str = "inv", p: float = 2.0, parameters: str | None = None
-) -> float:
-    """The default radius of a configuration (``DEFAULT_RHO`` of its name).
-
-    >>> default_rho("geodesic", "mix"), default_rho("adaptive")
-    (0.005, 0.05)
-    """
-    return DEFAULT_RHO[measure_name(geometry, metric, p, parameters)]

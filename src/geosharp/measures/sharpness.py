@@ -168,7 +168,7 @@ def sharpness(
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
     batch's value does not depend on which process measures it.
     """
-    from .catalog import DEFAULT_RHO, default_rho, measure_kwargs
+    from .catalog import DEFAULT_RHO, measure_kwargs
 
     given = measure if isinstance(measure, Geometry) else None
     if given is not None:
@@ -189,13 +189,16 @@ def sharpness(
         geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step
     )
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
-    if rho is None and given is not None:
-        name = given.name + ("-linf" if p != 2 else "") + ("-attn" if pairs_only else "")
+    # the geometry's name is the measure table's ("geodesic-inv", "adaptive-linf", ...)
+    label = geo.name if geo.p == 2 else f"{geo.name}-linf"
+    if rho is None:
+        name = f"{label}-attn" if pairs_only else label
         if name not in DEFAULT_RHO:
-            raise ValueError(f"geometry {given.name!r} has no default radius: pass rho")
+            raise ValueError(
+                f"{name!r} is not a named measure and has no default radius: pass rho, "
+                f"or use one of {', '.join(DEFAULT_RHO)}"
+            )
         rho = DEFAULT_RHO[name]
-    elif rho is None:
-        rho = default_rho(geometry, metric, p, "pairs" if pairs_only else None)
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
     if symmetries is None:
@@ -295,7 +298,7 @@ def sharpness(
         per_batch=values,
         loss=sum(losses) / len(losses),
         per_batch_loss=losses,
-        geometry=geo.name if p == 2 else f"{geo.name}-linf",
+        geometry=label,
         kind=kind,
         rho=rho,
         settings=settings,
