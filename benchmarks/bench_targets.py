@@ -14,11 +14,11 @@ Targets (ratios of times measured in this run, on this machine):
 3. the batched horizontal projection >= 20x faster than a per-head
    ``scipy.linalg.solve_sylvester`` loop, 144 heads of h = 64;
 4. peak memory <= the model + one training step (activations and gradient) + 4
-   parameter-sized buffers (geodesic), 3 (adaptive).
+   parameter-sized buffers (geodesic), 3 (adaptive: a straight step).
 
-Auto-PGD keeps a copy of the best point's gradient for its restarts (the default);
-``--recompute-best-grad`` measures ``keep_best_grad=False`` instead (one buffer less,
-a forward+backward more per restart away from the current point). The step timings
+Auto-PGD recomputes the best point's gradient at a restart away from the current point
+(the default: a forward+backward more there); ``--keep-best-grad`` measures
+``keep_best_grad=True`` instead (a copy kept: one buffer more). The step timings
 count the forward+backward passes of each call through the ``callback`` and print
 their number per step.
 
@@ -40,8 +40,9 @@ How each is measured:
   forward+backward, free heap memory is returned to the system (``malloc_trim``), the
   peak resident size is reset (``/proc/self/clear_refs``) and the increase of the peak
   over the resident size is recorded, for one training forward+backward (activations
-  plus the model's gradients, one parameter-sized buffer) and for a sharpness call. The
-  count is ``1 + (peak_sharpness - peak_training) / parameter bytes``. On CUDA,
+  plus the model's gradients) and for a sharpness call. The count is
+  ``(peak_sharpness - peak_training) / parameter bytes``: what the measure needs beyond
+  a training step. On CUDA,
   ``torch.cuda.max_memory_allocated`` does the same in-process.
 """
 
@@ -134,7 +135,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
 
     calls = {"n": 0}
 
-    def count(event, i, xi):
+    def count(event, i, iterate):
         calls["n"] += event == "evaluate"
 
     def run(kw, n) -> float:
@@ -150,7 +151,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
             autocast_dtype=autocast_dtype,
             measure=kw,
             callback=count,
-            keep_best_grad=not args.recompute_best_grad,
+            keep_best_grad=args.keep_best_grad,
         )
         sync(device)
         return time.perf_counter() - start
@@ -200,7 +201,7 @@ def time_overhead(args, device, autocast_dtype) -> dict:
     spent = {"loop": 0.0, "model": 0.0}
     clock = {}
 
-    def callback(event, i, xi):
+    def callback(event, i, iterate):
         sync(device)
         now = time.perf_counter()
         if event in ("start", "evaluate"):
@@ -367,7 +368,7 @@ def memory_child(mode: str, args) -> dict:
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=mode,
-            keep_best_grad=not args.recompute_best_grad,
+            keep_best_grad=args.keep_best_grad,
         )
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
@@ -391,7 +392,7 @@ def measure_memory(args, device) -> dict:
             str(args.seq),
             "--autocast",
             args.autocast,
-            *(["--recompute-best-grad"] if args.recompute_best_grad else []),
+            *(["--keep-best-grad"] if args.keep_best_grad else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -424,7 +425,7 @@ def measure_memory_cuda(args, device) -> dict:
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
                 measure=mode,
-                keep_best_grad=not args.recompute_best_grad,
+                keep_best_grad=args.keep_best_grad,
             )
         torch.cuda.synchronize(device)
         out[mode] = {
@@ -441,8 +442,7 @@ def summarise_memory(raw: dict) -> dict:
     return {
         "parameter_bytes": param,
         "train_increase": train,
-        "activations": train - param,
-        "buffers": {k: 1 + (v["increase"] - train) / param for k, v in raw.items() if k != "train"},
+        "buffers": {k: (v["increase"] - train) / param for k, v in raw.items() if k != "train"},
     }
 
 
@@ -471,7 +471,7 @@ def profile(args, device, autocast_dtype) -> None:
         label(space.PerturbationSpace, name)
     regions = []
 
-    def callback(event, i, xi):
+    def callback(event, i, iterate):
         if event == "evaluate":
             regions.append(record_function("geosharp::loss_grad"))
             regions[-1].__enter__()
@@ -604,8 +604,8 @@ def report(args, device, timing, projection, memory) -> list[dict]:
         mib = 2**20
         print(
             f"memory: parameters {memory['parameter_bytes'] / mib:.0f} MiB, one training "
-            f"forward+backward adds {memory['train_increase'] / mib:.0f} MiB "
-            f"(activations {memory['activations'] / mib:.0f} MiB + gradients)"
+            f"forward+backward raises the peak by {memory['train_increase'] / mib:.0f} MiB "
+            "(activations and gradients); buffers: parameter-sized vectors beyond that"
         )
     print(f"\n{'target':<58} {'measured':>9} {'limit':>7} {'seconds':>9}  status")
     for row in rows:
@@ -640,9 +640,9 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
-        "--recompute-best-grad",
+        "--keep-best-grad",
         action="store_true",
-        help="keep_best_grad=False: recompute Auto-PGD's best gradient at restarts",
+        help="keep_best_grad=True: keep a copy of Auto-PGD's best gradient for restarts",
     )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -206,12 +206,19 @@ def test_auto_pgd_reaches_the_linear_optimum(seed):
     assert measure(geometry="euclidean") == pytest.approx(0.1 * float(a.norm()), rel=1e-6)
 
 
-def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
+@pytest.mark.parametrize(
+    ("name", "metric"), [("geodesic", "mix"), ("geodesic-norm-only", "inv"), ("adaptive", "inv")]
+)
+def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small, name, metric):
+    """Also where the step is straight and the loop keeps points ``theta + xi``: the
+    callback and the result still see tangents, and the best value is the loss at the
+    returned tangent's point."""
     named = list(small.model.named_parameters())
     layout = ParameterLayout.from_named(named)
     theta = layout.flatten({n: p.detach() for n, p in named})
     sym = geosharp.find_symmetries(small.model)
-    space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named("geodesic", "mix"))
+    space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named(name, metric))
+    assert space.straight == (name != "geodesic")
     seen, calls = [], []
     loss = geosharp.params.functional_loss(small.model, small.loss_fn)
 
@@ -221,12 +228,15 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
         value = loss(layout.unflatten(point), small.batches[0])
         return value.detach(), out.copy_(torch.autograd.grad(value, point)[0])
 
-    def callback(event, i, xi):
+    def callback(event, i, iterate):
         if event == "step":
-            seen.append(xi.clone())
+            seen.append(iterate.xi.clone())
 
     rho = 0.02
-    best, best_xi, trace = auto_pgd(loss_grad, space, rho, n_iters=12, callback=callback)
+    with geosharp.params.evaluation_mode(small.model):  # no dropout: one objective
+        best, best_xi, trace = auto_pgd(loss_grad, space, rho, n_iters=12, callback=callback)
+        with torch.no_grad():
+            at_best = loss(layout.unflatten(space.retr(best_xi)), small.batches[0])
     assert len(seen) == 12 and len(trace.losses) == 13
     # one call per step, and one per restart that is not at the current point
     assert 13 <= len(calls) <= 13 + len(trace.restarts)
@@ -236,6 +246,7 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small):
     assert trace.best == sorted(trace.best)  # best-so-far is monotone
     assert float(best) == max(trace.losses) == trace.best[-1]
     assert float(space.norm(best_xi)) <= rho * (1 + 1e-9)
+    assert float(at_best) == pytest.approx(float(best), rel=1e-12)
     assert trace.step_sizes[0] == 2 * rho
     assert all(s in (2 * rho / 2**k for k in range(8)) for s in trace.step_sizes)
 

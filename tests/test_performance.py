@@ -3,9 +3,9 @@
 * strided block access equals indexing, on every layout of the zoo and on random ones;
 * the fused pair kernels equal the reference maths of ``geometry.pairs``;
 * the in-place space methods equal their allocating counterparts;
-* one forward+backward per step (``n_iters + 2`` calls of ``loss_fn`` per batch), no
-  parameter-sized allocation per step, no host synchronisation between checkpoints on
-  the device path;
+* one forward+backward per step (``n_iters + 2`` calls of ``loss_fn`` per batch), one
+  parameter-sized allocation per step (the gradient's), no host synchronisation between
+  checkpoints on the device path;
 * autocast: forward/backward in bfloat16, geometry in float32, model untouched.
 """
 
@@ -218,19 +218,57 @@ def test_inplace_methods_match(encoder, name, metric, eps):
     assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, pulled)), rel_tol=1e-9)
 
 
-def test_space_keeps_one_parameter_sized_vector(encoder):
-    """Besides theta: the float scale and, only when some entries are frozen, a boolean
-    mask (a quarter of a float32 vector, an eighth of float64)."""
-    _, layout, theta, pairs = encoder
-    space = PerturbationSpace(theta, layout, pairs, Geometry.named("geodesic", metric="inv"))
-    big = [
-        v
-        for v in vars(space).values()
-        if isinstance(v, torch.Tensor) and v.numel() == theta.numel()
-    ]
-    assert sum(t.element_size() for t in big) == 2 * theta.element_size() + 1
-    unfrozen = PerturbationSpace(theta.abs() + 1, layout, pairs, Geometry.named("adaptive"))
-    assert unfrozen.active is None
+def _tensors(obj, seen=None):
+    """Every tensor reachable from ``obj`` through attributes, lists, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, seen)]
+
+
+@pytest.mark.parametrize("name", ["adaptive", "geodesic"])
+def test_space_keeps_no_parameter_sized_vector(name):
+    """Built on the model's own tensors, the space reads them in place: what it holds
+    beyond them is the pair states' blocks (in the parameters' dtype, for the geodesic
+    geometries), their h x h matrices and nothing parameter-sized."""
+    case = encoder_case(dtype=torch.float32)
+    named = list(case.model.named_parameters())
+    layout = ParameterLayout.from_named(named)
+    pairs = geosharp.find_symmetries(case.model).pairs
+    space = PerturbationSpace(
+        {n: p.detach() for n, p in named}, layout, pairs, Geometry.named(name)
+    )
+    own = {p.untyped_storage().data_ptr() for _, p in named}
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _tensors(space)
+        if t.untyped_storage().data_ptr() not in own
+    }
+    pair_bytes = 4 * sum(s.shape[0] * (s.shape[1] + s.shape[2]) * s.shape[3] for s in pairs)
+    small = 8 * 10 * sum(s.shape[0] * s.shape[3] ** 2 for s in pairs)  # h x h, float64
+    assert sum(held.values()) <= (pair_bytes + small if name == "geodesic" else 0)
+    assert not any(t.dtype == torch.long for t in _tensors(space))  # no index tensors
+    # exact zeros cannot move with the relative scale: the mask of frozen entries
+    adaptive = Geometry.named("adaptive")
+    before = PerturbationSpace(dict(named), layout, pairs, adaptive).active
+    n_before = 0 if before is None else int((~before).sum())
+    with torch.no_grad():
+        case.model.head.bias.zero_()
+    after = PerturbationSpace(dict(named), layout, pairs, adaptive).active
+    assert after is not None and int((~after).sum()) == n_before + case.model.head.bias.numel()
+    unfrozen = {n: p.detach().abs() + 1 for n, p in named}
+    assert PerturbationSpace(unfrozen, layout, pairs, adaptive).active is None
 
 
 # -- the loop: calls, allocations, synchronisation -------------------------------------------
@@ -316,16 +354,28 @@ class _LargeAllocations(TorchDispatchMode):
         dict(geometry="adaptive", p=float("inf")),
     ],
 )
-def test_no_parameter_sized_allocation_per_step(kw):
+def test_one_parameter_sized_allocation_per_evaluation(kw):
+    """A step allocates the new gradient's buffer and nothing else parameter-sized."""
     case = encoder_case(dtype=torch.float32)
     _, theta = flat_setup(case.model)
     counts = []
     for n_iters in (3, 9):
+        evaluations = []
+
+        def count(event, i, iterate, evaluations=evaluations):
+            evaluations += [i] if event == "evaluate" else []
+
         with _LargeAllocations(theta.numel()) as mode:
             geosharp.sharpness(
-                case.model, case.batches[:1], case.loss_fn, rho=0.01, n_iters=n_iters, **kw
+                case.model,
+                case.batches[:1],
+                case.loss_fn,
+                rho=0.01,
+                n_iters=n_iters,
+                callback=count,
+                **kw,
             )
-        counts.append(mode.count)
+        counts.append(mode.count - len(evaluations))
     assert counts[0] == counts[1], counts
 
 

@@ -296,7 +296,7 @@ def test_retr_is_differentiable(name, metric, eps, step):
     geometry = Geometry.named(name, metric=metric, eps=eps, elementwise_step=step)
     space = PerturbationSpace(net.theta, net.layout, net.pairs, geometry)
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(space.theta.shape, generator=gen, dtype=F64)
+    w = torch.randn(space.numel, generator=gen, dtype=F64)
     # Relative sizes (space.random scales element-wise entries by |theta|).
     xi = (0.2 * space.random(gen)).requires_grad_()
     d = space.random(gen)
@@ -309,7 +309,7 @@ def test_retr_is_differentiable(name, metric, eps, step):
     with torch.no_grad():
         fd = (f(xi + delta * d) - f(xi - delta * d)) / (2 * delta)
     assert abs(float(grad @ d - fd)) < 1e-7 * float(w.norm() * d.norm())
-    zero = torch.zeros_like(space.theta).requires_grad_()
+    zero = torch.zeros_like(net.theta).requires_grad_()
     (grad0,) = torch.autograd.grad(f(zero), zero)
     assert torch.allclose(grad0, w, rtol=1e-14, atol=1e-14)
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from .io import write_json_atomic
 
 __all__ = [
+    "all_reduce_sum",
     "barrier",
     "device",
     "gather_in_order",
@@ -124,6 +125,23 @@ def barrier() -> None:
     written its share of per-model files, before rank 0 reads them all."""
     if is_distributed():
         dist.barrier()
+
+
+def all_reduce_sum(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(t)``: the sum of ``t`` over the processes of ``group`` (the default
+    group), for pair states built on row shards (:class:`geosharp.geometry.PairMetric`);
+    the identity without a process group.
+
+    Every call is one all-reduce of an ``h x h`` (or smaller) tensor."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        if not is_distributed():
+            return t
+        t = t.contiguous().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    return reduce
 
 
 def gather_in_order(records: Sequence[tuple]) -> list[tuple]:

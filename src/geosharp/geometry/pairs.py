@@ -35,7 +35,8 @@ acceleration, on the autograd hot path, runs in the tangent's dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +44,7 @@ from torch import Tensor
 __all__ = ["InvMetric", "MixMetric", "PairMetric", "PairState", "get_metric"]
 
 Tangent = tuple[Tensor, Tensor]
+Reduce = Callable[[Tensor], Tensor]
 _F64 = torch.float64
 
 
@@ -67,7 +69,15 @@ def _spd_functions(P: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 class PairMetric(ABC):
     """A ``GL(h)``-invariant metric on pairs; :meth:`state` precomputes everything that
-    depends only on the base point."""
+    depends only on the base point.
+
+    Sharded pairs: every quantity the built-in metrics need from ``G`` and ``H`` is a
+    sum over their rows (Gram matrices, ``xi_G^T G``, ...), so a state built with
+    ``reduce`` (an all-reduce of a tensor's sum over the processes holding the rows,
+    e.g. :func:`geosharp.distributed.all_reduce_sum`) works on each process's rows
+    alone, with ``h x h`` reductions only. The equivariant sampler mixes rows and is not
+    available there.
+    """
 
     name: str
 
@@ -77,7 +87,12 @@ class PairMetric(ABC):
 
 @dataclass
 class PairState(ABC):
-    """Geometry of a batch of pairs at a fixed base point ``(G, H)`` (float64)."""
+    """Geometry of a batch of pairs at a fixed base point ``(G, H)``.
+
+    ``G, H`` keep the parameters' dtype (a float32 model's blocks are not held twice);
+    the ``h x h`` matrices ``P, Q, P_inv, Q_inv`` are float64. :attr:`G64` and
+    :attr:`H64` give the blocks in float64 for the reference methods.
+    """
 
     G: Tensor
     H: Tensor
@@ -85,10 +100,23 @@ class PairState(ABC):
     Q: Tensor
     P_inv: Tensor
     Q_inv: Tensor
+    reduce: Reduce | None = field(default=None, kw_only=True, repr=False)
+
+    def _sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over the shards of the rows (identity on a whole pair)."""
+        return t if self.reduce is None else self.reduce(t)
+
+    @property
+    def G64(self) -> Tensor:
+        return self.G.to(_F64)
+
+    @property
+    def H64(self) -> Tensor:
+        return self.H.to(_F64)
 
     def vertical(self, L: Tensor) -> Tangent:
         """The vertical vector ``(G L, -H L^T)``: the orbit direction of ``L``."""
-        return self.G @ L, -self.H @ _t(L)
+        return self.G64 @ L, -self.H64 @ _t(L)
 
     @abstractmethod
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
@@ -151,14 +179,15 @@ class PairState(ABC):
     def geodesic(self, xi: Tangent, t: float = 1.0) -> tuple[Tensor, Tensor]:
         """Second-order geodesic ``(G, H) + t xi + t^2/2 (G'', H'')``."""
         aG, aH = self.geodesic_acceleration(xi)
-        G, H = self.G.to(xi[0].dtype), self.H.to(xi[1].dtype)
+        G, H = self.G.to(aG.dtype), self.H.to(aH.dtype)
         return G + t * xi[0] + 0.5 * t * t * aG, H + t * xi[1] + 0.5 * t * t * aH
 
     def norm(self, xi: Tangent) -> Tensor:
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def _operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``G, H, P^{-1}, Q^{-1}`` in ``dtype`` (cached): the hot path's operands."""
+        """``G, H, P^{-1}, Q^{-1}`` in ``dtype`` (cached; ``G, H`` in their own dtype are
+        themselves, not copies): the hot path's operands."""
         return tuple(self._cast(n, dtype) for n in ("G", "H", "P_inv", "Q_inv"))  # type: ignore[return-value]
 
     def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
@@ -189,13 +218,16 @@ class InvState(PairState):
 
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
-        return ((x[0] @ self.P_inv) * y[0]).sum((-1, -2)) + ((x[1] @ self.Q_inv) * y[1]).sum(
-            (-1, -2)
+        return self._sum(
+            ((x[0] @ self.P_inv) * y[0]).sum((-1, -2)) + ((x[1] @ self.Q_inv) * y[1]).sum((-1, -2))
         )
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return self.P_inv @ _t(x[0]) @ self.G - _t(self.H) @ x[1] @ self.Q_inv
+        return (
+            self.P_inv @ self._sum(_t(x[0]) @ self.G64)
+            - self._sum(_t(self.H64) @ x[1]) @ self.Q_inv
+        )
 
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
         # R(xi - V(L)) = 0 with X = L^T reads A X + X B = C (multiplied by P, Q), where
@@ -205,7 +237,7 @@ class InvState(PairState):
         # denom = 0 only where V(L) = 0 (G and H both rank deficient, eps > 0): any Y
         # solves there; take 0.
         x = _f64(xi)
-        return self._coefficient(_t(x[0]) @ self.G, _t(self.H) @ x[1])
+        return self._coefficient(self._sum(_t(x[0]) @ self.G64), self._sum(_t(self.H64) @ x[1]))
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -215,17 +247,20 @@ class InvState(PairState):
         dtype = xi[0].dtype
         G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
-        aG = xG @ (P_inv @ (_t(xG) @ G + _t(G) @ xG)) - G @ (P_inv @ (_t(xG) @ xG))
-        aH = xH @ (Q_inv @ (_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ (_t(xH) @ xH))
+        s = self._sum
+        aG = xG @ (P_inv @ s(_t(xG) @ G + _t(G) @ xG)) - G @ (P_inv @ s(_t(xG) @ xG))
+        aH = xH @ (Q_inv @ s(_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ s(_t(xH) @ xH))
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
         """``(W G, W' H)`` with standard Gaussian ``W`` (``n x n``) and ``W'`` (``m x m``):
         the rows of ``xiG`` are ``N(0, P)``. With ``eps > 0`` an independent
         ``sqrt(eps) Z`` makes them ``N(0, P + eps I)`` (equivariant up to ``O(eps)``)."""
-        xiG, xiH = _gaussian_products(self.G, self.H, self.G, self.H, generator)
+        _whole(self, "sample")
+        G, H = self.G64, self.H64
+        xiG, xiH = _gaussian_products(G, H, G, H, generator)
         if self.eps:
-            root, G, H = self.eps**0.5, self.G, self.H
+            root = self.eps**0.5
             xiG = xiG + root * torch.randn(
                 G.shape, generator=generator, dtype=G.dtype, device=G.device
             )
@@ -244,8 +279,8 @@ class InvState(PairState):
         G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
         out, saved = [], []
         for xx, B, B_inv in ((xi[0], G, P_inv), (xi[1], H, Q_inv)):
-            M = B_inv @ _sym(_t(xx) @ B)
-            N = B_inv @ (_t(xx) @ xx)
+            M = B_inv @ _sym(self._sum(_t(xx) @ B))
+            N = B_inv @ self._sum(_t(xx) @ xx)
             out.append(torch.bmm(xx, M).baddbmm_(B, N, alpha=-1))
             saved.append(M)
         return (out[0], out[1]), tuple(saved)
@@ -262,7 +297,7 @@ class InvState(PairState):
         ):
             # a = x M - B N: J^T u = u M^T + B (S^T B^-1 + B^-1 S) - x (T^T B^-1 + B^-1 T),
             # S = x^T u, T = B^T u (B^-1 symmetric).
-            S, T = _t(xx) @ uu, _t(B) @ uu
+            S, T = self._sum(_t(xx) @ uu), self._sum(_t(B) @ uu)
             K2 = _t(S) @ B_inv + B_inv @ S
             K1 = _t(T) @ B_inv + B_inv @ T
             g = torch.bmm(uu, eye + 0.5 * _t(M))
@@ -289,17 +324,18 @@ class InvMetric(PairMetric):
     eps: float = 0.0
     name: str = "inv"
 
-    def state(self, G: Tensor, H: Tensor) -> InvState:
-        G, H = G.detach().to(_F64), H.detach().to(_F64)
-        P, Q = _gram(G, self.eps), _gram(H, self.eps)
+    def state(self, G: Tensor, H: Tensor, reduce: Reduce | None = None) -> InvState:
+        G, H = G.detach(), H.detach()
+        G64, H64 = G.to(_F64), H.to(_F64)
+        P, Q = _gram(G64, self.eps, reduce), _gram(H64, self.eps, reduce)
         P_inv, P_sqrt, P_isqrt, _ = _spd_functions(P)
         Q_inv, Q_sqrt, Q_isqrt, _ = _spd_functions(Q)
         # A = P (H^T H) = S D S^{-1}: P^{1/2} (H^T H) P^{1/2} = U D U^T, S = P^{1/2} U.
-        d, U = torch.linalg.eigh(P_sqrt @ (Q if not self.eps else _gram(H, 0.0)) @ P_sqrt)
+        d, U = torch.linalg.eigh(P_sqrt @ (Q if not self.eps else _gram(H64, 0.0, reduce)) @ P_sqrt)
         S, S_inv = P_sqrt @ U, _t(U) @ P_isqrt
         if self.eps:
             # B = (G^T G) Q = T E T^{-1}: Q^{1/2} (G^T G) Q^{1/2} = W E W^T, T = Q^{-1/2} W.
-            e, W = torch.linalg.eigh(Q_sqrt @ _gram(G, 0.0) @ Q_sqrt)
+            e, W = torch.linalg.eigh(Q_sqrt @ _gram(G64, 0.0, reduce) @ Q_sqrt)
             T, T_inv = Q_isqrt @ W, _t(W) @ Q_sqrt
         else:
             e, T, T_inv = d, S, S_inv
@@ -317,6 +353,7 @@ class InvMetric(PairMetric):
             T_inv=T_inv,
             e=e,
             eps=self.eps,
+            reduce=reduce,
         )
 
 
@@ -327,15 +364,20 @@ class InvMetric(PairMetric):
 class MixState(PairState):
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
-        return ((x[0] @ self.Q) * y[0]).sum((-1, -2)) + ((x[1] @ self.P) * y[1]).sum((-1, -2))
+        return self._sum(
+            ((x[0] @ self.Q) * y[0]).sum((-1, -2)) + ((x[1] @ self.P) * y[1]).sum((-1, -2))
+        )
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return self.Q @ _t(x[0]) @ self.G - _t(self.H) @ x[1] @ self.P
+        return self.Q @ self._sum(_t(x[0]) @ self.G64) - self._sum(_t(self.H64) @ x[1]) @ self.P
 
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return 0.5 * (self.P_inv @ _t(self.G) @ x[0] - _t(x[1]) @ self.H @ self.Q_inv)
+        return 0.5 * (
+            self.P_inv @ self._sum(_t(self.G64) @ x[0])
+            - self._sum(_t(x[1]) @ self.H64) @ self.Q_inv
+        )
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -345,15 +387,16 @@ class MixState(PairState):
         dtype = xi[0].dtype
         G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
-        aG = (G @ (_t(xH) @ xH) - xG @ (_t(xH) @ H + _t(H) @ xH)) @ Q_inv
-        aH = (H @ (_t(xG) @ xG) - xH @ (_t(xG) @ G + _t(G) @ xG)) @ P_inv
+        s = self._sum
+        aG = (G @ s(_t(xH) @ xH) - xG @ s(_t(xH) @ H + _t(H) @ xH)) @ Q_inv
+        aH = (H @ s(_t(xG) @ xG) - xH @ s(_t(xG) @ G + _t(G) @ xG)) @ P_inv
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None) -> Tangent:
         """``(W H Q^{-1}, W' G P^{-1})``: rows ``N(0, Q^{-1})`` and ``N(0, P^{-1})``."""
-        return _gaussian_products(
-            self.G, self.H, self.H @ self.Q_inv, self.G @ self.P_inv, generator
-        )
+        _whole(self, "sample")
+        G, H = self.G64, self.H64
+        return _gaussian_products(G, H, H @ self.Q_inv, G @ self.P_inv, generator)
 
     def proju(self, xi: Tangent) -> Tangent:
         return _project(self, xi)
@@ -364,10 +407,11 @@ class MixState(PairState):
     def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
         G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
         xG, xH = xi
-        Bm = _sym(_t(xH) @ H)  # xH^T H + H^T xH
-        D = _sym(_t(xG) @ G)
-        aG = torch.bmm(G, (_t(xH) @ xH) @ Q_inv).baddbmm_(xG, Bm @ Q_inv, alpha=-1)
-        aH = torch.bmm(H, (_t(xG) @ xG) @ P_inv).baddbmm_(xH, D @ P_inv, alpha=-1)
+        s = self._sum
+        Bm = _sym(s(_t(xH) @ H))  # xH^T H + H^T xH
+        D = _sym(s(_t(xG) @ G))
+        aG = torch.bmm(G, s(_t(xH) @ xH) @ Q_inv).baddbmm_(xG, Bm @ Q_inv, alpha=-1)
+        aH = torch.bmm(H, s(_t(xG) @ xG) @ P_inv).baddbmm_(xH, D @ P_inv, alpha=-1)
         return (aG, aH), (Bm, D)
 
     def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
@@ -379,8 +423,9 @@ class MixState(PairState):
         # aG = (G A - xG Bm) Q^-1, aH = (H C - xH D) P^-1 (A = xH^T xH, C = xG^T xG): with
         # E = G^T uG Q^-1, F = xG^T uG Q^-1, E' = H^T uH P^-1, F' = xH^T uH P^-1,
         # J^T u = (-uG Q^-1 Bm + xG sym(E') - G sym(F'), -uH P^-1 D + xH sym(E) - H sym(F)).
-        E, F = (_t(G) @ uG) @ Q_inv, (_t(xG) @ uG) @ Q_inv
-        E2, F2 = (_t(H) @ uH) @ P_inv, (_t(xH) @ uH) @ P_inv
+        s = self._sum
+        E, F = s(_t(G) @ uG) @ Q_inv, s(_t(xG) @ uG) @ Q_inv
+        E2, F2 = s(_t(H) @ uH) @ P_inv, s(_t(xH) @ uH) @ P_inv
         gG = torch.bmm(uG, eye - 0.5 * (Q_inv @ Bm))
         gG.baddbmm_(xG, _sym(E2), alpha=0.5).baddbmm_(G, _sym(F2), alpha=-0.5)
         gH = torch.bmm(uH, eye - 0.5 * (P_inv @ D))
@@ -399,12 +444,12 @@ class MixMetric(PairMetric):
 
     name: str = "mix"
 
-    def state(self, G: Tensor, H: Tensor) -> MixState:
-        G, H = G.detach().to(_F64), H.detach().to(_F64)
-        P, Q = _gram(G, 0.0), _gram(H, 0.0)
+    def state(self, G: Tensor, H: Tensor, reduce: Reduce | None = None) -> MixState:
+        G, H = G.detach(), H.detach()
+        P, Q = _gram(G.to(_F64), 0.0, reduce), _gram(H.to(_F64), 0.0, reduce)
         P_inv = _spd_functions(P)[0]
         Q_inv = _spd_functions(Q)[0]
-        return MixState(G, H, P, Q, P_inv, Q_inv)
+        return MixState(G, H, P, Q, P_inv, Q_inv, reduce=reduce)
 
 
 def get_metric(name: str | PairMetric, eps: float = 0.0) -> PairMetric:
@@ -422,11 +467,18 @@ def get_metric(name: str | PairMetric, eps: float = 0.0) -> PairMetric:
     raise ValueError(f"unknown metric {name!r}: use 'inv' or 'mix'")
 
 
-def _gram(X: Tensor, eps: float) -> Tensor:
+def _gram(X: Tensor, eps: float, reduce: Reduce | None = None) -> Tensor:
     gram = _t(X) @ X
+    if reduce is not None:
+        gram = reduce(gram)
     if eps:
         gram = gram + eps * torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     return gram
+
+
+def _whole(state: PairState, what: str) -> None:
+    if state.reduce is not None:
+        raise NotImplementedError(f"{what} needs whole pairs: it mixes rows across shards")
 
 
 def _f64(xi: Tangent) -> Tangent:
@@ -443,7 +495,9 @@ def _project(state: InvState | MixState, x: Tangent) -> Tangent:
     x_H + H L^T)`` as one ``baddbmm`` each."""
     dt = x[0].dtype
     G, H = state._cast("G", dt), state._cast("H", dt)
-    L = state._coefficient((_t(x[0]) @ G).double(), (_t(H) @ x[1]).double()).to(dt)
+    L = state._coefficient(
+        state._sum((_t(x[0]) @ G).double()), state._sum((_t(H) @ x[1]).double())
+    ).to(dt)
     return torch.baddbmm(x[0], G, L, alpha=-1), torch.baddbmm(x[1], H, _t(L))
 
 
@@ -454,7 +508,8 @@ def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str
     projection."""
     dt = egrad[0].dtype
     G, H = state._cast("G", dt), state._cast("H", dt)
-    gram_g, gram_h = (_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double()
+    gram_g = state._sum((_t(egrad[0]) @ G).double())
+    gram_h = state._sum((_t(H) @ egrad[1]).double())
     L = state._coefficient(getattr(state, left) @ gram_g, gram_h @ getattr(state, right))
     L = L.to(dt)
     A, B = state._cast(left, dt), state._cast(right, dt)

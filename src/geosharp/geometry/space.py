@@ -26,7 +26,7 @@ name                           ball               horizontal        step
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,36 +102,62 @@ class Geometry:
 @dataclass
 class StackedPairs:
     """Pairs of one shape ``(n, m, h)`` and one symmetry group, stacked over heads and
-    layers.
+    layers: blocks ``(B, n, h)`` and ``(B, m, h)``.
 
-    ``g_index`` (``(B, n, h)``) and ``h_index`` (``(B, m, h)``) hold positions in the flat
-    parameter vector; ``state`` is the pair geometry at the base point; ``group`` the
-    symmetry group of the pairs (``"GL"`` or a subgroup, see
+    A flat vector's pair entries are read and written through strided views
+    (:func:`~geosharp.layout.strided_segments`: a head of a linear layer is one strided
+    block of its weight plus a row of its bias). Where the layout is not strided, and for
+    vectors autograd tracks, int64 positions are built on demand (:attr:`g_index`,
+    :attr:`h_index`) and not kept. ``state`` is the pair geometry at the base point,
+    ``group`` the symmetry group (``"GL"`` or a subgroup, see
     :mod:`geosharp.geometry.subgroup`).
-
-    Reads and writes of contiguous flat vectors go through strided views when the
-    indices allow it (:func:`strided_segments`: a head of a linear layer is one strided
-    block of its weight plus a row of its bias), which is several times faster than
-    indexing; other layouts, and non-contiguous vectors, use the indices.
     """
 
     specs: list[PairSpec]
-    g_index: Tensor
-    h_index: Tensor
+    layout: ParameterLayout
+    device: torch.device
     state: PairState | None = None
     group: str = "GL"
 
     def __post_init__(self) -> None:
-        self._segments = (strided_segments(self.g_index), strided_segments(self.h_index))
+        g, h = self.g_index, self.h_index
+        self.shapes = (g.shape, h.shape)
+        self._segments = (strided_segments(g), strided_segments(h))
+
+    @property
+    def g_index(self) -> Tensor:
+        """Flat positions of the ``G`` blocks, ``(B, n, h)`` int64 (built on each call)."""
+        return _flat_index(self.specs, "g_blocks", self.layout, self.device)
+
+    @property
+    def h_index(self) -> Tensor:
+        """Flat positions of the ``H`` blocks, ``(B, m, h)`` int64 (built on each call)."""
+        return _flat_index(self.specs, "h_blocks", self.layout, self.device)
 
     def gather(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(G, H)`` entries of ``flat`` as new ``(B, n, h)`` and ``(B, m, h)`` blocks."""
         if self._strided(flat):
             return tuple(  # type: ignore[return-value]
-                gather_strided(flat, segs, index.shape)
-                for segs, index in zip(self._segments, (self.g_index, self.h_index))
+                gather_strided(flat, segs, shape)
+                for segs, shape in zip(self._segments, self.shapes)
             )
         return flat[self.g_index], flat[self.h_index]
+
+    def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
+
+        def side(attr: str) -> Tensor:
+            return torch.cat(
+                [
+                    torch.cat(
+                        [params[b.param][b.index.to(self.device)] for b in getattr(s, attr)],
+                        dim=1,
+                    )
+                    for s in self.specs
+                ]
+            )
+
+        return side("g_blocks"), side("h_blocks")
 
     def scatter(self, flat: Tensor, blocks: tuple[Tensor, Tensor]) -> Tensor:
         """``flat`` with this pair's entries replaced by ``blocks`` (out of place)."""
@@ -144,8 +170,9 @@ class StackedPairs:
             for segs, block in zip(self._segments, blocks):
                 write_strided(flat, segs, block.to(flat.dtype), accumulate=False)
             return flat
-        flat.index_copy_(0, self.g_index.reshape(-1), blocks[0].reshape(-1).to(flat.dtype))
-        return flat.index_copy_(0, self.h_index.reshape(-1), blocks[1].reshape(-1).to(flat.dtype))
+        for index, block in zip((self.g_index, self.h_index), blocks):
+            flat.index_copy_(0, index.reshape(-1), block.reshape(-1).to(flat.dtype))
+        return flat
 
     def add_(self, flat: Tensor, blocks: tuple[Tensor, Tensor], alpha: float = 1.0) -> Tensor:
         """Add ``alpha * blocks`` to this pair's entries of ``flat``, in place."""
@@ -167,110 +194,221 @@ class StackedPairs:
         )
 
 
+def _flat_index(
+    specs: Sequence[PairSpec], attr: str, layout: ParameterLayout, device: torch.device
+) -> Tensor:
+    return torch.cat(
+        [
+            torch.cat([layout.offset(b.param) + b.index for b in getattr(s, attr)], dim=1)
+            for s in specs
+        ]
+    ).to(device)
+
+
 def stack_pairs(
     pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
 ) -> list[StackedPairs]:
-    """Group pairs by shape and symmetry group and translate their indices into flat
-    positions."""
+    """Group pairs by shape and symmetry group."""
     groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
     for pair in pairs:
         _, n, m, h = pair.shape
         groups[(n, m, h, pair.group)].append(pair)
-
-    def flat_index(blocks) -> Tensor:
-        return torch.cat([layout.offset(b.param) + b.index for b in blocks], dim=1)
-
-    out = []
-    for (*_, group), specs in groups.items():
-        g = torch.cat([flat_index(s.g_blocks) for s in specs]).to(device)
-        h = torch.cat([flat_index(s.h_blocks) for s in specs]).to(device)
-        out.append(StackedPairs(specs, g, h, group=group))
-    return out
+    return [
+        StackedPairs(specs, layout, torch.device(device), group=group)
+        for (*_, group), specs in groups.items()
+    ]
 
 
 @dataclass
 class Retraction:
     """What :meth:`PerturbationSpace.retr_` computed that the pullback reuses: the
-    tangent ``xi``, and per pair block its ``xi`` blocks and the state's saved matrices.
+    tangent ``xi`` and, per pair block, the state's saved ``h x h`` matrices (the ``xi``
+    blocks are read again rather than kept through the forward and backward).
     :meth:`PerturbationSpace.pullback_` adds the pulled-back gradient's pair blocks,
     which :meth:`PerturbationSpace.split_direction_` then need not gather again."""
 
     xi: Tensor
-    pairs: list[tuple[tuple[Tensor, Tensor], object]]
+    saved: list[object]
     grad_pairs: list[tuple[Tensor, Tensor]] | None = None
 
 
+@dataclass
+class _Part:
+    """One parameter's entries ``[start, start + numel)`` of a flat tangent.
+
+    ``theta``: the parameter itself, as a 1-D view; ``pairs``: its entries that belong to
+    pairs of a pair-ball geometry (``False`` none, ``True`` all, or a boolean mask);
+    ``frozen``: whether some element-wise entry cannot move (``|theta_j|`` below
+    ``sqrt(tiny)`` with the relative scale).
+    """
+
+    start: int
+    theta: Tensor
+    pairs: bool | Tensor = False
+    frozen: bool = False
+
+
 class PerturbationSpace:
-    """Tangent space at the flat point ``theta`` for a :class:`Geometry`.
+    """Tangent space at ``theta`` for a :class:`Geometry`.
+
+    ``theta``: the perturbed parameters, either as ``{name: tensor}`` (the model's own
+    tensors: they are read, never copied or written) or as one flat vector of the
+    layout. Tangents are flat vectors of the layout (``layout.unflatten`` shows them per
+    parameter, as views).
 
     Operations mirror geoopt's manifold interface: :meth:`inner`, :meth:`proju`
     (horizontal projection), :meth:`egrad2rgrad`, :meth:`retr` (the perturbed point
-    ``gamma_xi(1)``), plus :meth:`random` (a Gaussian in the metric).
-
-    Besides ``theta`` the space keeps one parameter-sized vector, the element-wise scale
-    ``scale`` (``c_j``, zero on frozen entries and on pair entries of pair-ball
-    geometries), and a boolean mask ``active`` of the entries a perturbation may use
-    (``None`` when all may). The in-place methods :meth:`retr_`, :meth:`pullback_`,
-    :meth:`split_direction_` and :meth:`combine_` serve Auto-PGD's inner loop without
-    parameter-sized temporaries; what one passes to the next is explicit
-    (:class:`Retraction`). The pair maths is the pair states' own
+    ``gamma_xi(1)``), plus :meth:`random` (a Gaussian in the metric). The in-place
+    methods :meth:`retr_`, :meth:`pullback_`, :meth:`split_direction_` and
+    :meth:`combine_` serve Auto-PGD's inner loop; what one passes to the next is
+    explicit (:class:`Retraction`). The element-wise scale ``c`` and the mask of frozen
+    entries are computed from ``theta`` piece by piece when used (:attr:`scale` and
+    :attr:`active` build them whole, for inspection): the space keeps no
+    parameter-sized vector. The pair maths is the pair states' own
     (:class:`~geosharp.geometry.pairs.PairState`); this class only reads and writes
     their blocks.
     """
 
     def __init__(
         self,
-        theta: Tensor,
+        theta: Tensor | Mapping[str, Tensor],
         layout: ParameterLayout,
         pairs: Sequence[PairSpec],
         geometry: Geometry,
     ):
-        if theta.dim() != 1 or theta.numel() != layout.numel:
-            raise ValueError("theta must be the flat vector of the layout's parameters")
-        self.theta = theta.detach()
+        params = _parameter_views(theta, layout)
+        first = params[layout.names[0]]
+        self.dtype, self.device, self.numel = first.dtype, first.device, layout.numel
         self.layout = layout
         self.geometry = geometry
         use_pairs = geometry.metric is not None
-        self.blocks = stack_pairs(pairs, layout, theta.device) if use_pairs else []
+        self.blocks = stack_pairs(pairs, layout, self.device) if use_pairs else []
         for block in self.blocks:
-            state = geometry.metric.state(*block.gather(self.theta))
+            state = geometry.metric.state(*block.gather_params(params))
             block.state = restrict_state(state, block.group)
         self._metric_blocks = self.blocks if geometry.metric_ball else []
-        pair_entries = [
-            index.reshape(-1)
-            for block in self._metric_blocks
-            for index in (block.g_index, block.h_index)
-        ]
 
         # Element-wise scale c: |theta| (relative) or 1; entries below sqrt(tiny) are
         # frozen (1/c would overflow and c^2 underflow), and so, for the element-wise
         # metric, are pair entries of pair-ball geometries (their metric is the pair's).
-        self._unit = not geometry.relative  # c = 1 everywhere, every entry active
+        self._unit = not geometry.relative
+        self._tiny = torch.finfo(self.dtype).tiny ** 0.5
+        in_pairs = _pair_masks(self._metric_blocks, params)
+        self._parts = []
+        for name, start in zip(layout.names, layout.offsets):
+            part = _Part(start, params[name], in_pairs.get(name, False))
+            if isinstance(part.pairs, Tensor):
+                part.pairs = True if bool(part.pairs.all()) else part.pairs
+            if not self._unit and part.pairs is not True:
+                part.frozen = bool(self._frozen_mask(part.theta, part.pairs).any())
+            self._parts.append(part)
+        self._trivial = self._unit and not in_pairs  # c = 1 everywhere
+        # Element-wise work on CPU goes in cache-sized pieces; a GPU takes large ones.
+        self._chunk = (1 << 18) if self.device.type == "cpu" else (1 << 26)
+
+    # -- the base point, piece by piece --------------------------------------------------
+
+    def empty(self) -> Tensor:
+        """A new uninitialised flat tangent."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def theta_flat(self) -> Tensor:
+        """``theta`` as a new flat vector (for references and tests; the loop never
+        needs it)."""
+        return torch.cat([part.theta for part in self._parts])
+
+    @property
+    def straight(self) -> bool:
+        """Whether the step is the straight line ``theta + xi`` (no geodesic correction,
+        no exponential): then a point is its own tangent plus ``theta``, and Auto-PGD
+        keeps points instead of tangents (one vector less)."""
+        return not (self.geometry.geodesic_step or self.geometry.exp_elementwise)
+
+    def to_point_(self, xi: Tensor) -> Tensor:
+        """``xi <- theta + xi`` in place."""
+        for part in self._parts:
+            xi[part.start : part.start + part.theta.numel()].add_(part.theta)
+        return xi
+
+    def to_tangent_(self, point: Tensor) -> Tensor:
+        """``point <- point - theta`` in place."""
+        for part in self._parts:
+            point[part.start : part.start + part.theta.numel()].sub_(part.theta)
+        return point
+
+    def tangent_dot(self, point: Tensor, y: Tensor) -> Tensor:
+        """Euclidean ``<point - theta, y>`` (0-d, float64), the difference formed piece
+        by piece (exact where ``point`` is near ``theta``; no cancellation of large dot
+        products)."""
+        total = torch.zeros((), dtype=torch.float64, device=y.device)
+        for s, e, theta, _ in self._pieces():
+            total += torch.dot(point[s:e] - theta, y[s:e]).double()
+        return total
+
+    def _pieces(self):
+        """``(start, end, theta piece, pair mask piece)`` covering the layout."""
+        step = self._chunk
+        for part in self._parts:
+            n = part.theta.numel()
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                pairs = part.pairs[a:b] if isinstance(part.pairs, Tensor) else part.pairs
+                yield part.start + a, part.start + b, part.theta[a:b], pairs
+
+    def _scale_piece(self, theta: Tensor, pairs: bool | Tensor) -> Tensor | None:
+        """``c`` on a piece (``None``: zero on all of it)."""
+        if pairs is True:
+            return None
         if self._unit:
-            self.scale = torch.ones_like(self.theta)
+            c = torch.ones_like(theta)
         else:
-            self.scale = self.theta.abs()
-            self.scale.masked_fill_(self.scale <= torch.finfo(self.scale.dtype).tiny ** 0.5, 0)
-        for index in pair_entries:
-            self.scale.index_fill_(0, index, 0)
-        # Entries a perturbation may use: movable element-wise ones, and pair entries.
-        active = self.scale > 0
-        for index in pair_entries:
-            active.index_fill_(0, index, True)
-        self.active: Tensor | None = None if bool(active.all()) else active
-        # Element-wise work on CPU goes chunk by chunk (cache-sized temporaries); a GPU
-        # takes the vector in a few large pieces.
-        self._chunk = (1 << 18) if theta.device.type == "cpu" else (1 << 26)
+            c = theta.abs()
+            c.masked_fill_(c <= self._tiny, 0)
+        if isinstance(pairs, Tensor):
+            c.masked_fill_(pairs, 0)
+        return c
+
+    def _frozen_mask(self, theta: Tensor, pairs: bool | Tensor) -> Tensor:
+        frozen = theta.abs() <= self._tiny
+        return frozen & ~pairs if isinstance(pairs, Tensor) else frozen
+
+    def scale_(self, x: Tensor, power: int = 1) -> Tensor:
+        """``x <- c^power x`` in place (zero where ``c = 0``)."""
+        if self._trivial:
+            return x
+        for s, e, theta, pairs in self._pieces():
+            c = self._scale_piece(theta, pairs)
+            if c is None:
+                x[s:e].zero_()
+            else:
+                x[s:e].mul_(c)
+                if power == 2:
+                    x[s:e].mul_(c)
+        return x
+
+    @property
+    def scale(self) -> Tensor:
+        """The element-wise scale ``c`` as a new flat vector (for inspection)."""
+        return self.scale_(torch.ones(self.numel, dtype=self.dtype, device=self.device))
 
     @property
     def inv_scale(self) -> Tensor:
-        """``1 / c`` on element-wise entries that may move, else 0 (computed on demand)."""
+        """``1 / c`` on element-wise entries that may move, else 0 (a new vector)."""
         scale = self.scale
         return torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
 
-    def _chunks(self):
-        n, step = self.theta.numel(), self._chunk
-        return ((s, min(n, s + step)) for s in range(0, n, step))
+    @property
+    def active(self) -> Tensor | None:
+        """Boolean flat mask of the entries a perturbation may use (a new vector), or
+        ``None`` when all may."""
+        if not any(part.frozen for part in self._parts):
+            return None
+        out = torch.ones(self.numel, dtype=torch.bool, device=self.device)
+        for part in self._parts:
+            if part.frozen:
+                end = part.start + part.theta.numel()
+                out[part.start : end] = ~self._frozen_mask(part.theta, part.pairs)
+        return out
 
     def dot(self, x: Tensor, y: Tensor) -> Tensor:
         """Euclidean ``<x, y>`` (0-d, float64), accumulated chunk by chunk in float64: a
@@ -287,11 +425,13 @@ class PerturbationSpace:
         return total
 
     def _elementwise_inner(self, x: Tensor, y: Tensor) -> Tensor:
-        if self._unit:
+        if self._trivial:
             return self.dot(x, y)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
-        for s, e in self._chunks():
-            c = self.scale[s:e]
+        for s, e, theta, pairs in self._pieces():
+            c = self._scale_piece(theta, pairs)
+            if c is None:
+                continue
             inv = torch.where(c > 0, c.reciprocal(), torch.zeros_like(c))
             a = x[s:e] * inv
             b = a if y is x else y[s:e] * inv
@@ -305,12 +445,25 @@ class PerturbationSpace:
 
     def linf_norm(self, xi: Tensor) -> Tensor:
         best = torch.zeros((), dtype=torch.float64, device=xi.device)
-        for s, e in self._chunks():
-            c = self.scale[s:e]
+        for s, e, theta, pairs in self._pieces():
+            c = self._scale_piece(theta, pairs)
+            if c is None:
+                continue
             part = (xi[s:e] / torch.where(c > 0, c, torch.ones_like(c))).abs_()
             part.masked_fill_(c == 0, 0)
             best = torch.maximum(best, part.max().double())
         return best
+
+    def clamp_box_(self, xi: Tensor, rho: float) -> Tensor:
+        """Clamp ``xi`` in place into the element-wise box ``|xi_j| <= rho c_j``."""
+        for s, e, theta, pairs in self._pieces():
+            c = self._scale_piece(theta, pairs)
+            if c is None:
+                xi[s:e].zero_()
+            else:
+                upper = rho * c
+                xi[s:e].clamp_(-upper, upper)
+        return xi
 
     # -- projections ----------------------------------------------------------------------
 
@@ -320,8 +473,10 @@ class PerturbationSpace:
 
     def proju_(self, xi: Tensor) -> Tensor:
         """:meth:`proju` in place (returns ``xi``)."""
-        if self.active is not None:
-            xi.mul_(self.active)
+        for part in self._parts:
+            if part.frozen:
+                end = part.start + part.theta.numel()
+                xi[part.start : end].masked_fill_(self._frozen_mask(part.theta, part.pairs), 0)
         for block in self._metric_blocks:
             block.scatter_(xi, block.state.proju(block.gather(xi)))
         return xi
@@ -333,8 +488,7 @@ class PerturbationSpace:
     def egrad2rgrad_(self, egrad: Tensor) -> Tensor:
         """:meth:`egrad2rgrad` in place (returns ``egrad``)."""
         pair_grads = [b.state.egrad2rgrad(b.gather(egrad)) for b in self._metric_blocks]
-        if not self._unit:
-            egrad.mul_(self.scale).mul_(self.scale)
+        self.scale_(egrad, 2)
         for block, grad in zip(self._metric_blocks, pair_grads):
             block.scatter_(egrad, grad)
         return egrad
@@ -369,8 +523,7 @@ class PerturbationSpace:
             for dx, gx in zip(d, g):
                 sq = sq + _block_dot(dx, gx)
             pair_dirs.append(d)
-        if not self._unit:
-            egrad.mul_(self.scale)  # zero on pair entries of pair balls and frozen entries
+        self.scale_(egrad)  # zero on pair entries of pair balls and on frozen entries
         return sq + self.dot(egrad, egrad), pair_dirs
 
     def combine_(
@@ -382,36 +535,68 @@ class PerturbationSpace:
         kx: Tensor,
         xp: Tensor | None = None,
         kxp: Tensor | None = None,
+        points: bool = False,
     ) -> Tensor:
         """``out <- kd d + kx x + kxp xp`` where ``out`` and ``pair_dirs`` come from
-        :meth:`split_direction_` (scalars: 0-d tensors, so nothing waits for the device)."""
-        if not self._unit:
-            out.mul_(self.scale)
+        :meth:`split_direction_` (scalars: 0-d tensors, so nothing waits for the device).
+
+        ``points=True``: ``x`` and ``xp`` are points ``theta + xi`` (see :attr:`straight`)
+        and ``out`` becomes one, ``theta + kd d + kx xi + kxp xi_p``, the tangents formed
+        piece by piece."""
+        self.scale_(out)
         for block, d in zip(self._metric_blocks, pair_dirs):
             block.scatter_(out, d)  # pair entries of `out` are zero here
-        out.mul_(kd).addcmul_(x, kx)
-        if xp is not None:
-            out.addcmul_(xp, kxp)
+        if not points:
+            out.mul_(kd).addcmul_(x, kx)
+            if xp is not None:
+                out.addcmul_(xp, kxp)
+            return out
+        for s, e, theta, _ in self._pieces():
+            piece = out[s:e].mul_(kd)
+            piece.addcmul_(x[s:e] - theta, kx)
+            if xp is not None:
+                piece.addcmul_(xp[s:e] - theta, kxp)
+            piece.add_(theta)
         return out
 
     def retr_(self, xi: Tensor, out: Tensor) -> Retraction:
         """Write :meth:`retr` into ``out`` (not differentiable); returns what
         :meth:`pullback_` needs."""
-        pairs = []
+        saved = []
         with torch.no_grad():
             if self.geometry.exp_elementwise:
-                out.copy_(self.retr(xi))
-                if self.geometry.geodesic_step:
-                    pairs = [(block.gather(xi), None) for block in self.blocks]
-                return Retraction(xi, pairs)
-            torch.add(self.theta, xi, out=out)
+                self._exp_step_(xi, out)
+            else:
+                for part in self._parts:
+                    end = part.start + part.theta.numel()
+                    torch.add(part.theta, xi[part.start : end], out=out[part.start : end])
             if self.geometry.geodesic_step:
                 for block in self.blocks:
                     x = block.gather(xi)
-                    accel, saved = block.state.accelerate(x)
+                    if self.geometry.exp_elementwise:
+                        block.add_(out, block.state.geodesic_acceleration(x), alpha=0.5)
+                        saved.append(None)
+                        continue
+                    accel, kept = block.state.accelerate(x)
                     block.add_(out, accel, alpha=0.5)
-                    pairs.append((x, saved))
-        return Retraction(xi, pairs)
+                    saved.append(kept)
+        return Retraction(xi, saved)
+
+    def _exp_step_(self, xi: Tensor, out: Tensor) -> None:
+        """``out <- theta exp(xi / theta)`` where ``theta != 0`` (``theta + xi`` elsewhere
+        and on pair entries, which keep the straight step)."""
+        for s, e, theta, _ in self._pieces():
+            nonzero = theta != 0
+            ratio = torch.where(nonzero, xi[s:e] / torch.where(nonzero, theta, 1), 0)
+            out[s:e] = torch.where(nonzero, theta * torch.exp(ratio), theta + xi[s:e])
+        params = self._params()
+        for block in self.blocks:
+            g_th, h_th = block.gather_params(params)
+            g_xi, h_xi = block.gather(xi)
+            block.scatter_(out, (g_th + g_xi, h_th + h_xi))
+
+    def _params(self) -> dict[str, Tensor]:
+        return {n: part.theta for n, part in zip(self.layout.names, self._parts)}
 
     def pullback_(self, step: Retraction, grad: Tensor) -> Tensor:
         """Turn ``grad``, the gradient at the point of ``step``, into the gradient with
@@ -424,8 +609,8 @@ class PerturbationSpace:
             if not self.geometry.geodesic_step:
                 return grad
             blocks_out = []
-            for block, (x, saved) in zip(self.blocks, step.pairs):
-                g = block.state.pullback(x, block.gather(grad), saved)
+            for block, saved in zip(self.blocks, step.saved):
+                g = block.state.pullback(block.gather(step.xi), block.gather(grad), saved)
                 block.scatter_(grad, g)
                 blocks_out.append(g)
         if self.geometry.metric_ball:
@@ -436,8 +621,7 @@ class PerturbationSpace:
         """``grad *= exp(xi / theta)`` where ``theta != 0``, pair entries excepted (they
         keep the straight step)."""
         kept = [block.gather(grad) for block in self.blocks]
-        for s, e in self._chunks():
-            theta = self.theta[s:e]
+        for s, e, theta, _ in self._pieces():
             nonzero = theta != 0
             ratio = xi[s:e] / torch.where(nonzero, theta, torch.ones_like(theta))
             grad[s:e].mul_(torch.where(nonzero, ratio.exp_(), torch.ones_like(theta)))
@@ -452,13 +636,8 @@ class PerturbationSpace:
         Pair blocks are drawn equivariantly (:meth:`PairState.sample`): with the same
         generator state, symmetry-related networks get symmetry-related samples.
         """
-        z = torch.randn(
-            self.theta.shape,
-            generator=generator,
-            dtype=self.theta.dtype,
-            device=self.theta.device,
-        )
-        out = z if self._unit else z.mul_(self.scale)
+        z = torch.randn(self.numel, generator=generator, dtype=self.dtype, device=self.device)
+        out = self.scale_(z)
         for block in self._metric_blocks:
             block.scatter_(out, block.state.sample(generator))
         return self.proju_(out)
@@ -466,14 +645,16 @@ class PerturbationSpace:
     def retr(self, xi: Tensor) -> Tensor:
         """The perturbed point ``gamma_xi(1)`` as a flat vector (differentiable in ``xi``)."""
         geometry = self.geometry
+        theta = self.theta_flat()
         if geometry.exp_elementwise:
-            theta = self.theta
             ratio = torch.where(theta != 0, xi / torch.where(theta != 0, theta, 1), 0)
-            moved = torch.where(theta != 0, theta * torch.exp(ratio), theta + xi)
-            # Pair entries keep the straight line (plus the geodesic correction below).
-            out = self._straight_on_pairs(moved, xi)
+            out = torch.where(theta != 0, theta * torch.exp(ratio), theta + xi)
+            for block in self.blocks:  # pair entries keep the straight line
+                g_th, h_th = block.gather(theta)
+                g_xi, h_xi = block.gather(xi)
+                out = block.scatter(out, (g_th + g_xi, h_th + h_xi))
         else:
-            out = self.theta + xi
+            out = theta + xi
         if geometry.geodesic_step:
             for block in self.blocks:
                 aG, aH = block.state.geodesic_acceleration(block.gather(xi))
@@ -481,13 +662,41 @@ class PerturbationSpace:
                 out = out.index_add_(0, block.h_index.reshape(-1), aH.reshape(-1), alpha=0.5)
         return out
 
-    def _straight_on_pairs(self, moved: Tensor, xi: Tensor) -> Tensor:
-        out = moved
-        for block in self.blocks:
-            g_th, h_th = block.gather(self.theta)
-            g_xi, h_xi = block.gather(xi)
-            out = block.scatter(out, (g_th + g_xi, h_th + h_xi))
-        return out
+
+def _parameter_views(theta: Tensor | Mapping[str, Tensor], layout: ParameterLayout) -> dict:
+    """``{name: 1-D view}`` of the perturbed parameters (a copy only of a tensor that is
+    not contiguous)."""
+    if isinstance(theta, Tensor):
+        if theta.dim() != 1 or theta.numel() != layout.numel:
+            raise ValueError("theta must be the flat vector of the layout's parameters")
+        return {n: t.detach().reshape(-1) for n, t in layout.unflatten(theta).items()}
+    missing = [n for n in layout.names if n not in theta]
+    if missing:
+        raise ValueError(f"theta lacks the layout's parameters {missing}")
+    out = {}
+    for name, shape in zip(layout.names, layout.shapes):
+        t = theta[name]
+        if t.shape != shape:
+            raise ValueError(f"theta[{name!r}] has shape {tuple(t.shape)}, not {tuple(shape)}")
+        out[name] = t.detach().reshape(-1)
+    if len({(t.dtype, t.device) for t in out.values()}) > 1:
+        raise ValueError("theta's tensors must share one dtype and one device")
+    return out
+
+
+def _pair_masks(blocks: Sequence[StackedPairs], params: dict[str, Tensor]) -> dict:
+    """``{name: boolean mask}`` of the entries of each parameter that belong to ``blocks``."""
+    masks: dict[str, Tensor] = {}
+    for block in blocks:
+        for spec in block.specs:
+            for b in (*spec.g_blocks, *spec.h_blocks):
+                theta = params[b.param]
+                if b.param not in masks:
+                    masks[b.param] = torch.zeros(
+                        theta.numel(), dtype=torch.bool, device=theta.device
+                    )
+                masks[b.param][b.index.reshape(-1).to(theta.device)] = True
+    return masks
 
 
 def _dot(x: Tensor, y: Tensor, chunk: int) -> Tensor:

@@ -112,8 +112,9 @@ class SubgroupState(PairState):
 
 def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
     """``M_ab = g(V(E_a), V(E_b)) = tr(R(V(E_b)) E_a)`` for the sparse basis."""
-    Gg = _t(state.G) @ state.G
-    Hg = _t(state.H) @ state.H
+    G, H = state.G64, state.H64
+    Gg = state._sum(_t(G) @ G)
+    Hg = state._sum(_t(H) @ H)
     if isinstance(state, InvState):
         terms = ((state.P_inv, Gg), (Hg, state.Q_inv))
     elif isinstance(state, MixState):
@@ -177,6 +178,7 @@ def restrict_state(state: PairState, group: str) -> PairState:
         state.Q_inv,
         base=state,
         group=group,
+        reduce=state.reduce,
         rows=rows,
         cols=cols,
         signs=signs,

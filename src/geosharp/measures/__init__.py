@@ -1,6 +1,6 @@
 """Sharpness measures: Auto-PGD worst case and random-direction average case."""
 
-from .apgd import APGDTrace, auto_pgd, checkpoints
+from .apgd import APGDTrace, Iterate, auto_pgd, checkpoints
 from .catalog import DEFAULT_RHO, MEASURES, TABLE, Measure, measure_kwargs
 from .sharpness import SharpnessResult, sharpness
 
@@ -9,6 +9,7 @@ __all__ = [
     "MEASURES",
     "TABLE",
     "APGDTrace",
+    "Iterate",
     "Measure",
     "SharpnessResult",
     "auto_pgd",

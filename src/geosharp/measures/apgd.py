@@ -16,11 +16,12 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduction restarts from the best point.
 
 The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together), allocates no parameter-sized vector, and reads from
-the device once per checkpoint only. A restart needs the best point's gradient: a copy
-is kept (``keep_best_grad=True``, the default), or, to save that parameter-sized
-buffer, it is recomputed when the best point is not the current one (one more
-forward+backward; on a random BERT-base, 1.25-2 passes per step over 2-6 steps).
+loss and its gradient together), allocates one parameter-sized vector per step (the
+gradient's, whose memory a training step would use), and reads from the device once
+per checkpoint only. A restart needs the best point's gradient: it is recomputed when
+the best point is not the current one (one more forward+backward; on a random
+BERT-base, 1.25-2 passes per step over 2-6 steps), or, with ``keep_best_grad=True``, a
+copy is kept (one parameter-sized vector more, no extra pass).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from ..geometry.space import PerturbationSpace, Retraction
 
-__all__ = ["APGDTrace", "auto_pgd", "checkpoints"]
+__all__ = ["APGDTrace", "Iterate", "auto_pgd", "checkpoints"]
 
 # loss_grad(point, out) -> (loss at point, its gradient written into `out`)
 LossGrad = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -76,22 +77,6 @@ class APGDTrace:
         }
 
 
-class _Buffers:
-    """Parameter-sized buffers handed around instead of allocated (a fresh vector of
-    hundreds of megabytes costs its page faults on every step)."""
-
-    def __init__(self, like: Tensor):
-        self.like, self.free = like, []
-
-    def take(self) -> Tensor:
-        return self.free.pop() if self.free else torch.empty_like(self.like)
-
-    def give(self, *tensors: Tensor) -> None:
-        for t in tensors:
-            if len(self.free) < 3 and all(t is not f for f in self.free):
-                self.free.append(t)
-
-
 class _L2Ball:
     r"""The metric ball. One step needs two dot products with the gradient and no norm
     of a new vector: with ``d`` the horizontal Riemannian gradient,
@@ -105,11 +90,11 @@ class _L2Ball:
     point is written with three in-place vector operations and no host synchronisation.
     """
 
-    def __init__(self, space: PerturbationSpace, rho: float):
-        self.space, self.rho = space, rho
+    def __init__(self, space: PerturbationSpace, rho: float, points: bool = False):
+        self.space, self.rho, self.points = space, rho, points
 
     def start(self, xi: Tensor | None) -> None:
-        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.theta.device)
+        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
         if xi is not None:
             self.xx = self.space.inner(xi, xi)
         self.pp, self.xp = self.xx, self.xx  # xi_prev = xi
@@ -122,11 +107,13 @@ class _L2Ball:
     def step_(
         self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
     ) -> Tensor:
-        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
+        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`); with
+        ``points``, iterates are points ``theta + xi``."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
-        xd = space.dot(xi, grad)
-        pd = xd if same else space.dot(xi_prev, grad)
+        dot = space.tangent_dot if self.points else space.dot
+        xd = dot(xi, grad)
+        pd = xd if same else dot(xi_prev, grad)
         dd, pair_dirs = space.split_direction_(grad, step)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
@@ -152,7 +139,9 @@ class _L2Ball:
         kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
             kx = (s2 * (alpha + gamma)).to(grad.dtype)
-        space.combine_(grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp)
+        space.combine_(
+            grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp, points=self.points
+        )
         self.xx, self.pp, self.xp = nn, self.xx, new_x
         return grad
 
@@ -165,19 +154,17 @@ class _Box:
 
     def __init__(self, space: PerturbationSpace, rho: float):
         self.space, self.rho = space, rho
-        self.upper = rho * space.scale
-        self.lower = -self.upper
 
     def start(self, xi: Tensor | None) -> None:
-        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.theta.device)
+        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
 
     def project_(self, xi: Tensor) -> Tensor:
-        return torch.clamp(xi, self.lower, self.upper, out=xi)
+        return self.space.clamp_box_(xi, self.rho)
 
     def step_(
         self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
     ) -> Tensor:
-        z = grad.sign_().mul_(self.space.scale).mul_(eta).add_(xi)
+        z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
             z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
@@ -188,6 +175,21 @@ class _Box:
         pass
 
 
+class Iterate:
+    """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent. Straight-step
+    geometries keep the point ``theta + xi`` instead (one vector less); there ``xi`` is
+    a new vector, computed when read."""
+
+    __slots__ = ("_point", "_space", "_x")
+
+    def __init__(self, space: PerturbationSpace, x: Tensor, point: bool):
+        self._space, self._x, self._point = space, x, point
+
+    @property
+    def xi(self) -> Tensor:
+        return self._space.to_tangent_(self._x.clone()) if self._point else self._x
+
+
 def auto_pgd(
     loss_grad: LossGrad,
     space: PerturbationSpace,
@@ -195,8 +197,8 @@ def auto_pgd(
     n_iters: int,
     xi0: Tensor | None = None,
     momentum: float = 0.75,
-    callback: Callable[[str, int, Tensor], None] | None = None,
-    keep_best_grad: bool = True,
+    callback: Callable[[str, int, Iterate], None] | None = None,
+    keep_best_grad: bool = False,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -206,32 +208,45 @@ def auto_pgd(
     gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
-    Beyond the space, the loop holds six parameter-sized vectors: the point, the
-    gradient, ``xi``, the previous ``xi``, the best ``xi`` and its gradient (five with
-    ``keep_best_grad=False``; see the module's docstring). ``callback(event, i,
-    xi)``, if given, is called with ``"start"`` and ``"end"`` (``xi``: the start and the
-    best point), ``"evaluate"`` before and ``"evaluated"`` after each call of
-    ``loss_grad`` at ``xi``, and ``"step"`` after the ``i``-th update made ``xi`` (for
-    diagnostics and benchmarks; it must not write ``xi``).
+    Beyond the space, the loop holds the gradient and four parameter-sized vectors: the
+    point, ``xi``, the previous ``xi`` and the best ``xi``; three where the step is
+    straight (:attr:`PerturbationSpace.straight`, L2 ball), which keeps points
+    ``theta + xi`` in place of tangents. ``keep_best_grad=True`` adds a copy of the best
+    point's gradient (see the module's docstring). The gradient's buffer is new at each
+    evaluation, so that on the CPU its pages are first written during backward, as
+    activations are freed, as in a training step. ``callback(event, i, iterate)``, if
+    given, is called with ``"start"`` and ``"end"`` (the start and the best point),
+    ``"evaluate"`` before and ``"evaluated"`` after each call of ``loss_grad``, and
+    ``"step"`` after the ``i``-th update (for diagnostics and benchmarks);
+    ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be written).
 
     On a GPU the loop never waits for the device outside the checkpoints (the best point
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
     the comparison and copies only on improvement.
     """
-    ball = _Box(space, rho) if space.geometry.p == float("inf") else _L2Ball(space, rho)
-    buffers = _Buffers(space.theta)
-    point = torch.empty_like(space.theta)
-    notify = callback or (lambda event, i, xi: None)
+    box = space.geometry.p == float("inf")
+    points = space.straight and not box  # iterates are points theta + xi
+    ball = _Box(space, rho) if box else _L2Ball(space, rho, points=points)
+    point = None if points else space.empty()
+    notify = (
+        (lambda event, i, x: callback(event, i, Iterate(space, x, points)))
+        if callback is not None
+        else (lambda event, i, x: None)
+    )
 
-    def evaluate(xi: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
-        step = space.retr_(xi, point)
-        notify("evaluate", i, xi)
-        value, grad = loss_grad(point, buffers.take())
-        notify("evaluated", i, xi)
+    def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
+        step = Retraction(x, []) if points else space.retr_(x, point)
+        notify("evaluate", i, x)
+        # a new gradient buffer: its pages are first written during backward, as
+        # activations are freed (on the CPU: freed large blocks go back to the system)
+        value, grad = loss_grad(x if points else point, space.empty())
+        notify("evaluated", i, x)
         return value, space.pullback_(step, grad), step
 
-    xi = buffers.take().zero_() if xi0 is None else ball.project_(xi0.clone())
+    xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
+    if points:
+        space.to_point_(xi)
     notify("start", 0, xi)
     value, grad, step = evaluate(xi, 0)
     best_value, best_xi = value, xi.clone()
@@ -250,8 +265,7 @@ def auto_pgd(
         # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
         new_xi = ball.step_(xi, xi_prev, grad, eta, a, step)
-        if xi_prev is not xi:
-            buffers.give(xi_prev)
+        step = None  # its pair blocks are not kept through the next forward+backward
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
         new_value, grad, step = evaluate(xi, i + 1)
@@ -281,8 +295,6 @@ def auto_pgd(
             reduced_last = too_few or stalled
             if reduced_last:  # halve the step and go back to the best point
                 eta /= 2.0
-                if xi_prev is not xi:
-                    buffers.give(xi_prev)
                 xi_prev = xi
                 if not at_best:
                     xi.copy_(best_xi)
@@ -290,7 +302,7 @@ def auto_pgd(
                         grad.copy_(best_grad)
                         value, step = best_value, None
                     else:
-                        buffers.give(grad)
+                        del grad
                         value, grad, step = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)
@@ -298,7 +310,10 @@ def auto_pgd(
             increases = torch.zeros((), device=xi.device)
         etas.append(eta)
 
-    notify("end", n_iters, best_xi)
+    if points:
+        space.to_tangent_(best_xi)
+    if callback is not None:
+        callback("end", n_iters, Iterate(space, best_xi, False))
     trace = APGDTrace(
         losses=torch.stack(values).tolist(),
         best=torch.stack(bests).tolist(),

@@ -33,7 +33,7 @@ from ..params import LossFunction, evaluation_mode, functional_loss
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
-from .apgd import APGDTrace, auto_pgd
+from .apgd import APGDTrace, Iterate, auto_pgd
 
 __all__ = ["SharpnessResult", "sharpness"]
 
@@ -97,8 +97,8 @@ def sharpness(
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
     measure: str | Geometry | None = None,
-    callback: Callable[[str, int, Tensor], None] | None = None,
-    keep_best_grad: bool = True,
+    callback: Callable[[str, int, Iterate], None] | None = None,
+    keep_best_grad: bool = False,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
 
@@ -151,12 +151,13 @@ def sharpness(
             (``"geodesic-inv"``, ``"adaptive-attn"``, ...), which sets ``geometry``,
             ``metric``, ``p`` and, for the ``*-attn`` measures, ``parameters``; or a
             :class:`~geosharp.geometry.Geometry` (``Geometry.named(...)`` or your own).
-        callback: ``callback(event, i, xi)`` for diagnostics and benchmarks, handed to
-            :func:`~geosharp.measures.auto_pgd` (worst case; see its events).
+        callback: ``callback(event, i, iterate)`` for diagnostics and benchmarks, handed
+            to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
+            ``iterate.xi`` is the tangent).
         keep_best_grad: keep a copy of Auto-PGD's best point's gradient for its
-            restarts (the default); ``False`` saves that parameter-sized buffer and
-            recomputes the gradient where a restart does not start from the current
-            point (up to one more forward+backward per restart). Same values.
+            restarts: one parameter-sized buffer more, and no second forward+backward
+            where a restart does not start from the current point (the default
+            recomputes it there). Same values.
 
     Half-precision (``bfloat16``/``float16``) models are measured in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
@@ -208,10 +209,13 @@ def sharpness(
     named = _perturbed_parameters(model, parameters)
     pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
     layout = ParameterLayout.from_named(named)
-    theta = layout.flatten({n: t.detach() for n, t in named})
-    upcast = theta.dtype in (torch.float16, torch.bfloat16)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
+    upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
-        theta = theta.float()
+        dtype = torch.float32
+    # the model's own tensors (read, never written; copies only where the dtype differs)
+    theta = {n: t.detach().to(dtype) for n, t in named}
+    device = named[0][1].device
     settings = dict(
         metric=metric if geo.metric is not None else None,
         n_iters=n_iters,
@@ -225,9 +229,9 @@ def sharpness(
         n_pairs=len(pairs),
         parameters="pairs" if pairs_only else None,
         autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
-        dtype=str(theta.dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
     )
-    autocast = _autocast(theta.device, autocast_dtype)
+    autocast = _autocast(device, autocast_dtype)
 
     records = []  # (batch index, value, unperturbed loss, trace, value of each start)
     with evaluation_mode(model):
@@ -238,9 +242,9 @@ def sharpness(
         for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name):
             if index % world != rank:
                 continue
-            generator = torch.Generator(device=theta.device).manual_seed(_batch_seed(seed, index))
+            generator = torch.Generator(device=device).manual_seed(_batch_seed(seed, index))
             with autocast():
-                loss0 = evaluate(layout.unflatten(theta), batch)
+                loss0 = evaluate(theta, batch)
             loss0 = _checked_loss(loss0, "unperturbed")
 
             trace, per_start = None, []
@@ -273,7 +277,7 @@ def sharpness(
                 value = best - loss0
             else:
                 total = 0.0
-                point = torch.empty_like(theta)
+                point = space.empty()
                 with torch.no_grad(), autocast():
                     for _ in range(n_samples):
                         xi = _scale_to(space, space.random(generator), rho)
@@ -415,30 +419,40 @@ def _checked_loss(loss: object, where: str) -> float:
 
 class _LossGrad:
     """Loss and gradient at a perturbed point for Auto-PGD, without parameter-sized
-    temporaries: views of the point are swapped into the model as leaves, and their
-    ``.grad`` are views of the (zeroed) output buffer, into which backward accumulates
-    in place."""
+    temporaries: views of the point are swapped into the model as leaves, and each
+    leaf's gradient is copied into its view of the output buffer as soon as backward
+    has accumulated it, then freed. Backward frees activations as it goes, so a buffer
+    whose pages are first written here (a new one, on the CPU) costs no more memory than
+    the gradients of a training step."""
 
     def __init__(self, evaluate, layout: ParameterLayout, batch, autocast):
         self.evaluate, self.layout = evaluate, layout
         self.batch, self.autocast = batch, autocast
 
     def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-        grad = out.zero_()
-        leaves = {}
-        for (name, view), grad_view in zip(
-            self.layout.unflatten(point).items(), self.layout.unflatten(grad).values()
+        leaves, targets, filled = {}, {}, set()
+
+        def hook(leaf: Tensor) -> None:
+            targets[id(leaf)].copy_(leaf.grad)
+            leaf.grad = None
+            filled.add(id(leaf))
+
+        for (name, view), target in zip(
+            self.layout.unflatten(point).items(), self.layout.unflatten(out).values()
         ):
             leaf = view.detach().requires_grad_(True)
-            leaf.grad = grad_view  # backward accumulates into `grad` in place
+            leaf.register_post_accumulate_grad_hook(hook)
+            targets[id(leaf)] = target
             leaves[name] = leaf
         with self.autocast():
             loss = self.evaluate(leaves, self.batch)
         loss = _scalar(loss)
         _require_grad(loss)
         loss.backward(inputs=list(leaves.values()))
-        del leaves
-        return _value(loss), grad
+        for leaf in leaves.values():  # parameters the loss does not reach
+            if id(leaf) not in filled:
+                targets[id(leaf)].zero_()
+        return _value(loss), out
 
 
 def _scalar(loss: object) -> Tensor:

@@ -354,12 +354,12 @@ def apgd_sharpness(
     geo = Geometry.named(geometry, metric=metric)
     named = [(n, p) for n, p in model.named_parameters()]
     layout = ParameterLayout.from_named(named)
-    theta = layout.flatten({n: p.detach() for n, p in named})
+    theta = {n: p.detach() for n, p in named}
     pairs = find_symmetries(model).pairs if geo.metric is not None else []
     space = PerturbationSpace(theta, layout, pairs, geo)
     evaluate = functional_loss(model, loss_fn)
     with torch.no_grad():
-        loss0 = float(evaluate(layout.unflatten(theta), batch))
+        loss0 = float(evaluate(theta, batch))
 
     def loss_grad(point: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         point = point.detach().requires_grad_(True)

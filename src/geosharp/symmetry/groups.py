@@ -143,7 +143,7 @@ def transform_parameters(
             X = X @ M
             row = 0
             for b in blocks:
-                rows = b.index.shape[1]
+                rows = b.shape[1]
                 write_block(out, b, X[:, row : row + rows])
                 row += rows
     return out

@@ -40,34 +40,101 @@ def positions(param: Tensor) -> Tensor:
     return torch.arange(param.numel(), dtype=torch.long).view(param.shape)
 
 
-@dataclass(frozen=True)
 class Block:
     """Rows of a stacked ``G`` or ``H`` taken from one parameter.
 
     ``index[k, r, c]`` is the flat position, in parameter ``param``, of row ``r``,
-    column ``c`` of head ``k``'s block.
+    column ``c`` of head ``k``'s block. An index that is affine in ``(k, r, c)`` (every
+    slice of a linear layer's heads is) is kept as its offset and three strides and
+    rebuilt when read: a block holds no int64 tensor for the measure's lifetime.
     """
 
-    param: str
-    index: Tensor  # (heads, rows, h), int64
+    __slots__ = ("_affine", "_index", "param", "shape")
 
-    def __post_init__(self) -> None:
-        if self.index.dim() != 3 or self.index.dtype != torch.long:
-            raise ValueError(
-                f"Block index for {self.param!r} must be an int64 tensor (heads, rows, h), "
-                f"got {tuple(self.index.shape)} {self.index.dtype}"
+    def __init__(self, param: str, index: Tensor):
+        if not isinstance(index, Tensor) or index.dim() != 3 or index.dtype != torch.long:
+            desc = (
+                f"{tuple(index.shape)} {index.dtype}"
+                if isinstance(index, Tensor)
+                else type(index).__name__
             )
+            raise ValueError(
+                f"Block index for {param!r} must be an int64 tensor (heads, rows, h), got {desc}"
+            )
+        object.__setattr__(self, "param", param)
+        object.__setattr__(self, "shape", tuple(index.shape))
+        affine = _affine(index)
+        object.__setattr__(self, "_affine", affine)
+        object.__setattr__(self, "_index", None if affine is not None else index)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Block is immutable")
+
+    @property
+    def index(self) -> Tensor:
+        """The ``(heads, rows, h)`` int64 positions (rebuilt on each read when affine)."""
+        if self._affine is None:
+            return self._index
+        offset, strides = self._affine
+        out = torch.full(self.shape, offset, dtype=torch.long)
+        for dim, (size, stride) in enumerate(zip(self.shape, strides)):
+            shape = [1, 1, 1]
+            shape[dim] = size
+            out += (torch.arange(size, dtype=torch.long) * stride).view(shape)
+        return out
+
+    def __repr__(self) -> str:
+        where = (
+            f"offset={self._affine[0]}, strides={self._affine[1]}"
+            if self._affine is not None
+            else "explicit"
+        )
+        return f"Block(param={self.param!r}, shape={self.shape}, {where})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Block):
+            return NotImplemented
+        return (
+            self.param == other.param
+            and self.shape == other.shape
+            and torch.equal(self.index, other.index)
+        )
+
+    __hash__ = object.__hash__
+
+
+def _affine(index: Tensor) -> tuple[int, tuple[int, int, int]] | None:
+    """``(offset, strides)`` with ``index[k, r, c] = offset + k s0 + r s1 + c s2``, or
+    ``None`` when ``index`` is not of that form."""
+    if index.numel() == 0:
+        return None
+    idx = index.detach().cpu()
+    offset = int(idx[0, 0, 0])
+    strides = []
+    for dim in range(3):
+        if idx.shape[dim] > 1:
+            unit = [0, 0, 0]
+            unit[dim] = 1
+            strides.append(int(idx[tuple(unit)]) - offset)
+        else:
+            strides.append(0)
+    rebuilt = torch.full(idx.shape, offset, dtype=torch.long)
+    for dim, (size, stride) in enumerate(zip(idx.shape, strides)):
+        shape = [1, 1, 1]
+        shape[dim] = size
+        rebuilt += (torch.arange(size, dtype=torch.long) * stride).view(shape)
+    return (offset, tuple(strides)) if torch.equal(rebuilt, idx) else None
 
 
 def _concat_rows(blocks: Sequence[Block]) -> tuple[int, int, int]:
-    heads = {b.index.shape[0] for b in blocks}
-    cols = {b.index.shape[2] for b in blocks}
+    heads = {b.shape[0] for b in blocks}
+    cols = {b.shape[2] for b in blocks}
     if len(heads) != 1 or len(cols) != 1:
         raise ValueError(
             "blocks of one side of a pair must agree in heads and columns, got "
-            + ", ".join(f"{b.param}: {tuple(b.index.shape)}" for b in blocks)
+            + ", ".join(f"{b.param}: {tuple(b.shape)}" for b in blocks)
         )
-    return heads.pop(), sum(b.index.shape[1] for b in blocks), cols.pop()
+    return heads.pop(), sum(b.shape[1] for b in blocks), cols.pop()
 
 
 @dataclass(frozen=True)

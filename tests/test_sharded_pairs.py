@@ -1,0 +1,122 @@
+"""Pair states on row shards: two gloo processes each hold half of the rows of every
+pair and build their states with ``reduce=all_reduce_sum()``; every row-local result
+(projection, direction, acceleration and its pullback, Riemannian gradient) equals the
+whole pair's restricted to those rows, and every reduced one (inner product, residual,
+vertical coefficient) equals the whole pair's, for ``inv`` (with and without ``eps``),
+``mix`` and the rotary subgroup, in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from geosharp.geometry.pairs import InvMetric, MixMetric
+from launch import run_python
+
+TESTS = Path(__file__).resolve().parent
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from geosharp import distributed as gd
+    from geosharp.geometry.pairs import InvMetric, MixMetric
+    from geosharp.geometry.subgroup import restrict_state
+
+    rank, world = gd.init()
+    F64 = torch.float64
+    gen = torch.Generator().manual_seed(0)
+    B, n, m, h = 3, 9, 7, 4
+
+    def pair():
+        return (torch.randn(B, n, h, generator=gen, dtype=F64),
+                torch.randn(B, m, h, generator=gen, dtype=F64))
+
+    (G, H), x, u = pair(), pair(), pair()
+    rg, rh = torch.arange(rank, n, world), torch.arange(rank, m, world)  # this rank's rows
+
+    def rows(t):
+        return (t[0][:, rg], t[1][:, rh])
+
+    def dev(a, b):
+        return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+    row_local = {  # state, whole (x, u) or their rows -> a tangent
+        "proju": lambda s, x, u: s.proju(x),
+        "project_horizontal": lambda s, x, u: s.project_horizontal(x),
+        "direction": lambda s, x, u: s.direction(u),
+        "egrad2rgrad": lambda s, x, u: s.egrad2rgrad(u),
+        "accelerate": lambda s, x, u: s.accelerate(x)[0],
+        "geodesic_acceleration": lambda s, x, u: s.geodesic_acceleration(x),
+        "pullback": lambda s, x, u: s.pullback(x, u, s.accelerate(x)[1]),
+    }
+    reduced = {  # -> the same tensor on every rank
+        "inner": lambda s, x, u: s.inner(x, u),
+        "horizontal_residual": lambda s, x, u: s.horizontal_residual(x),
+        "vertical_coefficient": lambda s, x, u: s.vertical_coefficient(x),
+    }
+    out = {}
+    metrics = {"inv": InvMetric(), "inv-eps": InvMetric(eps=0.1), "mix": MixMetric()}
+    for name, metric in metrics.items():
+        for group in ("GL", "rotary"):
+            whole = restrict_state(metric.state(G, H), group)
+            sharded = metric.state(G[:, rg], H[:, rh], reduce=gd.all_reduce_sum())
+            part = restrict_state(sharded, group)
+            res = {k: dev(f(part, rows(x), rows(u)), rows(f(whole, x, u)))
+                   for k, f in row_local.items()}
+            res.update({k: float((f(part, rows(x), rows(u)) - f(whole, x, u)).abs().max())
+                        for k, f in reduced.items()})
+            out[f"{name}/{group}"] = res
+    try:
+        part.sample()
+        out["sample"] = "ran"
+    except NotImplementedError as e:
+        out["sample"] = str(e)
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"world": world, "deviations": out}, f)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def deviations(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    script, result = tmp / "worker.py", tmp / "result.json"
+    script.write_text(WORKER)
+    run_python([str(script), str(result)], 2, timeout=300)
+    return json.loads(result.read_text())
+
+
+def test_two_processes_ran(deviations):
+    assert deviations["world"] == 2
+
+
+@pytest.mark.parametrize("metric", ["inv", "inv-eps", "mix"])
+@pytest.mark.parametrize("group", ["GL", "rotary"])
+def test_sharded_state_equals_the_whole_pair(deviations, metric, group):
+    worst = deviations["deviations"][f"{metric}/{group}"]
+    assert max(worst.values()) < 1e-10, worst
+
+
+def test_sampler_needs_whole_pairs(deviations):
+    assert "whole pairs" in deviations["deviations"]["sample"]
+
+
+def test_identity_reduce_changes_nothing():
+    """Without a process group the reduction is the identity: a state built with it is
+    the plain state."""
+    from geosharp.distributed import all_reduce_sum
+
+    gen = torch.Generator().manual_seed(1)
+    G, H = (torch.randn(2, 6, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    x = (torch.randn_like(G), torch.randn_like(H))
+    for metric in (InvMetric(), MixMetric()):
+        plain, reduced = metric.state(G, H), metric.state(G, H, reduce=all_reduce_sum())
+        assert all(torch.equal(a, b) for a, b in zip(plain.proju(x), reduced.proju(x)))
