@@ -338,3 +338,65 @@ def test_a_named_measure_is_its_keyword_arguments(small):
         assert named.rho == geosharp.DEFAULT_RHO[name]
     with pytest.raises(ValueError, match="unknown measure"):
         run(measure="sharpest")
+
+
+# -- the call: a measure, a radius, an estimator ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "flat"),
+    [
+        (geosharp.WorstCase(n_iters=4, starts=2), dict(n_iters=4, starts=2)),
+        (geosharp.WorstCase(n_iters=3, starts="random"), dict(n_iters=3, random_start=True)),
+        (geosharp.AverageCase(n_samples=3), dict(kind="average", n_samples=3)),
+    ],
+)
+def test_estimator_objects_equal_the_flat_keywords(small, estimator, flat):
+    args = (small.model, small.batches, small.loss_fn)
+    new = geosharp.sharpness(*args, "geodesic-mix", 0.01, estimator, seed=2)
+    old = geosharp.sharpness(*args, geometry="geodesic", metric="mix", rho=0.01, seed=2, **flat)
+    assert new.per_batch == old.per_batch and new.kind == old.kind
+    assert new.settings["estimator"] == repr(estimator)
+
+
+def test_a_geometry_object_or_a_name_or_the_flat_keywords(small):
+    args = (small.model, small.batches[:1], small.loss_fn)
+    kw = dict(rho=0.02, estimator=geosharp.WorstCase(n_iters=3))
+    by_name = geosharp.sharpness(*args, "geodesic-inv", **kw)
+    by_object = geosharp.sharpness(*args, Geometry.named("geodesic", metric="inv"), **kw)
+    by_default = geosharp.sharpness(*args, **kw)
+    flat = geosharp.sharpness(*args, geometry="geodesic", metric="inv", rho=0.02, n_iters=3)
+    assert by_name.per_batch == by_object.per_batch == by_default.per_batch == flat.per_batch
+    relaxed = geosharp.sharpness(*args, "geodesic-inv", eps=1e-3, **kw)
+    assert relaxed.settings["eps"] == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(estimator=geosharp.WorstCase(), n_iters=5), ValueError, "not both"),
+        (dict(measure="adaptive", geometry="geodesic"), ValueError, "drop geometry"),
+        (dict(measure=Geometry.named("adaptive"), eps=0.1), ValueError, "Geometry.named"),
+        (dict(n_iter=5), TypeError, "unexpected keyword argument.*n_iter"),
+        (dict(estimator="worst"), TypeError, "WorstCase"),
+        (dict(measure=3), TypeError, "a name or a Geometry"),
+    ],
+)
+def test_call_errors_name_the_fix(small, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: geosharp.WorstCase(n_iters=0), "at least 1"),
+        (lambda: geosharp.WorstCase(starts="best"), "'zero', 'random'"),
+        (lambda: geosharp.WorstCase(starts=True), "'zero', 'random'"),
+        (lambda: geosharp.AverageCase(n_samples=0), "at least 1"),
+        (lambda: geosharp.AverageCase(n_samples=2.5), "integer"),
+    ],
+)
+def test_estimators_check_their_arguments(make, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        make()

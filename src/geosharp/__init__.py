@@ -7,7 +7,15 @@ adaptive sharpness.
 
 from .errors import UsageError
 from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
-from .measures import DEFAULT_RHO, MEASURES, SharpnessResult, measure_kwargs, sharpness
+from .measures import (
+    DEFAULT_RHO,
+    MEASURES,
+    AverageCase,
+    SharpnessResult,
+    WorstCase,
+    measure_kwargs,
+    sharpness,
+)
 from .symmetry import (
     PairSpec,
     Symmetries,
@@ -25,6 +33,7 @@ __all__ = [
     "DEFAULT_RHO",
     "GEOMETRIES",
     "MEASURES",
+    "AverageCase",
     "Geometry",
     "InvMetric",
     "MixMetric",
@@ -33,6 +42,7 @@ __all__ = [
     "SharpnessResult",
     "Symmetries",
     "UsageError",
+    "WorstCase",
     "check_symmetries",
     "declare_pair",
     "find_symmetries",

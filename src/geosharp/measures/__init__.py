@@ -2,6 +2,7 @@
 
 from .apgd import APGDTrace, Iterate, auto_pgd, checkpoints
 from .catalog import DEFAULT_RHO, MEASURES, TABLE, Measure, measure_kwargs
+from .estimators import AverageCase, WorstCase
 from .sharpness import SharpnessResult, sharpness
 
 __all__ = [
@@ -9,9 +10,11 @@ __all__ = [
     "MEASURES",
     "TABLE",
     "APGDTrace",
+    "AverageCase",
     "Iterate",
     "Measure",
     "SharpnessResult",
+    "WorstCase",
     "auto_pgd",
     "checkpoints",
     "measure_kwargs",

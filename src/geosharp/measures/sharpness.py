@@ -34,6 +34,7 @@ from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate, auto_pgd
+from .estimators import AverageCase, Estimator, WorstCase, estimator_from
 
 __all__ = ["SharpnessResult", "sharpness"]
 
@@ -74,33 +75,33 @@ class SharpnessResult:
         )
 
 
+_GEOMETRY_KEYS = ("geometry", "metric", "eps", "p", "elementwise_step")
+_ESTIMATOR_KEYS = ("kind", "n_iters", "n_samples", "starts", "random_start")
+
+
 def sharpness(
     model: nn.Module,
     batches: Iterable,
     loss_fn: LossFunction,
-    geometry: str = "geodesic",
-    metric: str = "inv",
+    measure: str | Geometry | None = None,
     rho: float | None = None,
-    kind: str = "worst",
-    n_iters: int = 20,
-    n_samples: int = 10,
+    estimator: Estimator | None = None,
+    *,
     seed: int = 0,
-    random_start: bool = False,
-    starts: str | int = "zero",
-    eps: float = 0.0,
-    p: float = 2.0,
-    elementwise_step: str = "straight",
     symmetries: Symmetries | None = None,
     parameters: Sequence[str] | str | None = None,
     max_batches: int | None = None,
     progress: bool = False,
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
-    measure: str | Geometry | None = None,
     callback: Callable[[str, int, Iterate], None] | None = None,
     keep_best_grad: bool = False,
+    **flat,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
+
+    What is measured: ``measure``, ``rho`` and ``estimator``; the other arguments say
+    how (which parameters, which batches, on which processes, with what feedback).
 
     Args:
         model: any ``nn.Module``; it is put in eval mode for the measure and left
@@ -109,28 +110,19 @@ def sharpness(
         batches: an iterable of batches (a ``DataLoader``, a list, ...).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``; call the model inside it
             (so dict inputs of Hugging Face models work).
-        geometry: ``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
-            ``"geodesic-norm-only"`` or ``"geodesic-curvature-only"``.
-        metric: pair metric of the geodesic geometries, ``"inv"`` or ``"mix"``.
+        measure: a named measure of :data:`geosharp.measures.MEASURES`
+            (``"geodesic-inv"``, the default, ``"adaptive"``, ``"adaptive-attn"``,
+            ...), which sets the geometry and, for the ``*-attn`` measures,
+            ``parameters``; or a :class:`~geosharp.geometry.Geometry`
+            (``Geometry.named(...)``, with its options, or your own).
         rho: radius of the ball (relative for adaptive/``inv``, absolute for ``mix``
             and Euclidean); a Python, NumPy or 0-d torch number. Default: the measure's
             default radius, ``geosharp.measures.DEFAULT_RHO`` (the same in the CLI).
-        kind: ``"worst"`` (Auto-PGD) or ``"average"`` (random directions).
-        n_iters: Auto-PGD steps per batch (worst case).
-        n_samples: random directions per batch (average case).
-        seed: seed of a private generator (random start, average case); global RNG
+        estimator: :class:`~geosharp.measures.WorstCase` (Auto-PGD; the default,
+            ``WorstCase(n_iters=20, starts="zero")``) or
+            :class:`~geosharp.measures.AverageCase` (random directions).
+        seed: seed of a private generator (random starts, average case); global RNG
             state is not touched.
-        random_start: start Auto-PGD from a random vector of norm ``rho`` (else 0);
-            the same as ``starts="random"``.
-        starts: Auto-PGD starts per batch (worst case): ``"zero"`` (``xi = 0``),
-            ``"random"`` (a random vector of norm ``rho``), or an integer ``k``: the
-            best of ``k`` runs, from ``xi = 0`` and ``k - 1`` random vectors (each
-            start's value is kept in ``per_batch_starts``). Costs ``k`` times one.
-        eps: relaxation ``P + eps I`` of the ``inv`` metric.
-        p: 2, or ``float('inf')`` for the L-infinity adaptive sharpness of
-            Andriushchenko et al. (2023).
-        elementwise_step: ``"straight"`` (``theta + xi``) or ``"exp"`` (exact GL(1)
-            geodesic ``theta exp(xi / theta)``) for element-wise parameters.
         symmetries: the model's symmetries (default: :func:`find_symmetries`).
         parameters: names of the parameters to perturb (default: all that require
             grad), or ``"pairs"``: those of the symmetric pairs (attention's
@@ -147,10 +139,6 @@ def sharpness(
             ``batches``, measures batches ``rank, rank + world_size, ...`` and receives
             the full result, identical to a single-process run (see
             :mod:`geosharp.distributed`).
-        measure: a named measure of :data:`geosharp.measures.MEASURES`
-            (``"geodesic-inv"``, ``"adaptive-attn"``, ...), which sets ``geometry``,
-            ``metric``, ``p`` and, for the ``*-attn`` measures, ``parameters``; or a
-            :class:`~geosharp.geometry.Geometry` (``Geometry.named(...)`` or your own).
         callback: ``callback(event, i, iterate)`` for diagnostics and benchmarks, handed
             to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
             ``iterate.xi`` is the tangent).
@@ -158,6 +146,15 @@ def sharpness(
             restarts: one parameter-sized buffer more, and no second forward+backward
             where a restart does not start from the current point (the default
             recomputes it there). Same values.
+        **flat: the keywords of earlier versions, still accepted. The geometry piece by
+            piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
+            ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
+            (``"inv"``, ``"mix"``), ``eps`` (``P + eps I`` in ``inv``), ``p`` (2 or
+            ``float('inf')``), ``elementwise_step`` (``"straight"`` or ``"exp"``), as
+            in :meth:`Geometry.named`; with a named ``measure`` only ``eps`` and
+            ``elementwise_step``. The estimator piece by piece: ``kind`` (``"worst"``
+            or ``"average"``), ``n_iters``, ``starts``, ``random_start`` (the same as
+            ``starts="random"``), ``n_samples``.
 
     Half-precision (``bfloat16``/``float16``) models are measured in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
@@ -169,26 +166,19 @@ def sharpness(
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
     batch's value does not depend on which process measures it.
     """
-    from .catalog import DEFAULT_RHO, measure_kwargs
+    from .catalog import DEFAULT_RHO
 
-    given = measure if isinstance(measure, Geometry) else None
-    if given is not None:
-        metric, p = given.metric.name if given.metric else metric, given.p
-        eps = getattr(given.metric, "eps", eps)
-        elementwise_step = "exp" if given.exp_elementwise else "straight"
-    elif measure is not None:
-        spec = measure_kwargs(measure)
-        geometry, metric = spec["geometry"], spec.get("metric", metric)
-        p, parameters = spec.get("p", 2.0), spec.get("parameters", parameters)
-    _check_arguments(kind, n_iters, n_samples)
-    n_starts, first_random = _starts(starts, random_start)
+    unknown = sorted(set(flat) - {*_GEOMETRY_KEYS, *_ESTIMATOR_KEYS})
+    if unknown:
+        raise TypeError(f"sharpness() got unexpected keyword argument(s): {', '.join(unknown)}")
+    estimator = _estimator(estimator, {k: flat[k] for k in _ESTIMATOR_KEYS if k in flat})
+    geo, parameters = _geometry(
+        measure, {k: flat[k] for k in _GEOMETRY_KEYS if k in flat}, parameters
+    )
     if autocast_dtype not in (None, torch.bfloat16, torch.float16):
         raise ValueError(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
-    geo = given or Geometry.named(
-        geometry, metric=metric, eps=eps, p=p, elementwise_step=elementwise_step
-    )
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
     # the geometry's name is the measure table's ("geodesic-inv", "adaptive-linf", ...)
     label = geo.name if geo.p == 2 else f"{geo.name}-linf"
@@ -216,16 +206,17 @@ def sharpness(
     # the model's own tensors (read, never written; copies only where the dtype differs)
     theta = {n: t.detach().to(dtype) for n, t in named}
     device = named[0][1].device
+    worst = isinstance(estimator, WorstCase)
     settings = dict(
-        metric=metric if geo.metric is not None else None,
-        n_iters=n_iters,
-        n_samples=n_samples,
+        metric=geo.metric.name if geo.metric is not None else None,
+        estimator=repr(estimator),
+        n_iters=estimator.n_iters if worst else None,
+        n_samples=None if worst else estimator.n_samples,
         seed=seed,
-        random_start=random_start,
-        starts=starts,
-        eps=eps,
-        p=p,
-        elementwise_step=elementwise_step,
+        starts=estimator.starts if worst else None,
+        eps=getattr(geo.metric, "eps", 0.0),
+        p=geo.p,
+        elementwise_step="exp" if geo.exp_elementwise else "straight",
         n_pairs=len(pairs),
         parameters="pairs" if pairs_only else None,
         autocast=None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
@@ -248,9 +239,10 @@ def sharpness(
             loss0 = _checked_loss(loss0, "unperturbed")
 
             trace, per_start = None, []
-            if kind == "worst":
+            if worst:
                 objective = _LossGrad(evaluate, layout, batch, autocast)
                 best = -math.inf
+                n_starts, first_random = estimator.runs
                 for start in range(n_starts):
                     xi0 = None
                     if start > 0 or first_random:
@@ -259,7 +251,7 @@ def sharpness(
                         objective,
                         space,
                         rho,
-                        n_iters,
+                        estimator.n_iters,
                         xi0,
                         callback=callback,
                         keep_best_grad=keep_best_grad,
@@ -279,12 +271,12 @@ def sharpness(
                 total = 0.0
                 point = space.empty()
                 with torch.no_grad(), autocast():
-                    for _ in range(n_samples):
+                    for _ in range(estimator.n_samples):
                         xi = _scale_to(space, space.random(generator), rho)
                         space.retr_(xi, point)
                         total += float(evaluate(layout.unflatten(point), batch))
                 del point
-                value = total / n_samples - loss0
+                value = total / estimator.n_samples - loss0
             records.append((index, value, loss0, trace, per_start))
 
     if distributed:
@@ -294,7 +286,7 @@ def sharpness(
     values = [r[1] for r in records]
     losses = [r[2] for r in records]
     traces = [r[3] for r in records if r[3] is not None]
-    per_batch_starts = [r[4] for r in records] if n_starts > 1 else []
+    per_batch_starts = [r[4] for r in records] if worst and estimator.runs[0] > 1 else []
     if not values:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
     return SharpnessResult(
@@ -303,7 +295,7 @@ def sharpness(
         loss=sum(losses) / len(losses),
         per_batch_loss=losses,
         geometry=label,
-        kind=kind,
+        kind=estimator.kind,
         rho=rho,
         settings=settings,
         traces=traces,
@@ -318,30 +310,46 @@ def _checked_rho(rho: object) -> float:
     return number
 
 
-def _starts(starts: str | int, random_start: bool) -> tuple[int, bool]:
-    """``(number of Auto-PGD runs, whether the first starts at random)``."""
-    if isinstance(starts, bool) or not isinstance(starts, (str, int)):
-        raise TypeError(f"starts must be 'zero', 'random' or a positive integer, got {starts!r}")
-    if isinstance(starts, str):
-        if starts not in ("zero", "random"):
+def _estimator(estimator: Estimator | None, flat: dict) -> Estimator:
+    if estimator is None:
+        return estimator_from(**flat)
+    if flat:
+        raise ValueError(
+            f"pass the estimator or {', '.join(sorted(flat))}, not both: e.g. "
+            "estimator=WorstCase(n_iters=50, starts=3)"
+        )
+    if not isinstance(estimator, (WorstCase, AverageCase)):
+        raise TypeError(f"estimator must be WorstCase(...) or AverageCase(...), got {estimator!r}")
+    return estimator
+
+
+def _geometry(
+    measure: str | Geometry | None, flat: dict, parameters: Sequence[str] | str | None
+) -> tuple[Geometry, Sequence[str] | str | None]:
+    """The geometry that ``measure`` and the flat geometry keywords describe, and the
+    parameters to perturb (a ``*-attn`` measure restricts them to the pairs)."""
+    from .catalog import measure_kwargs
+
+    if isinstance(measure, Geometry):
+        if flat:
             raise ValueError(
-                f"starts must be 'zero', 'random' or a positive integer, got {starts!r}"
+                f"measure is a Geometry: set {', '.join(sorted(flat))} in "
+                "Geometry.named(...) instead"
             )
-        return 1, starts == "random" or random_start
-    if starts < 1:
-        raise ValueError(f"starts must be at least 1, got {starts}")
-    if random_start:
-        raise ValueError("random_start=True and starts=k: use starts alone")
-    return starts, False
-
-
-def _check_arguments(kind: str, n_iters: int, n_samples: int) -> None:
-    if kind not in ("worst", "average"):
-        raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
-    if n_iters < 1:
-        raise ValueError(f"n_iters must be at least 1, got {n_iters}")
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be at least 1, got {n_samples}")
+        return measure, parameters
+    if measure is None:
+        spec = {"geometry": "geodesic", "metric": "inv", **flat}
+    else:
+        if not isinstance(measure, str):
+            raise TypeError(f"measure must be a name or a Geometry, got {measure!r}")
+        clash = sorted({"geometry", "metric", "p"} & set(flat))
+        if clash:
+            raise ValueError(
+                f"measure={measure!r} already sets the geometry: drop {', '.join(clash)}"
+            )
+        spec = {**measure_kwargs(measure), **flat}
+        parameters = spec.pop("parameters", parameters)
+    return Geometry.named(spec.pop("geometry"), **spec), parameters
 
 
 def _pair_parameters(model: nn.Module, symmetries: Symmetries) -> list[str]:
