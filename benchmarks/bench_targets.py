@@ -16,9 +16,9 @@ Targets (ratios of times measured in this run, on this machine):
 4. peak memory <= the model + one training step (activations and gradient) + 4
    parameter-sized buffers (geodesic), 3 (adaptive: a straight step).
 
-Auto-PGD recomputes the best point's gradient at a restart away from the current point
-(the default: a forward+backward more there); ``--keep-best-grad`` measures
-``keep_best_grad=True`` instead (a copy kept: one buffer more). The step timings
+``--low-memory`` measures ``sharpness(..., low_memory=True)``: the best point's gradient
+recomputed at a restart away from the current point (a forward+backward more there)
+and a new gradient buffer per step, two buffers fewer. The step timings
 count the forward+backward passes of each call through the ``callback`` and print
 their number per step.
 
@@ -151,7 +151,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
             autocast_dtype=autocast_dtype,
             measure=kw,
             callback=count,
-            keep_best_grad=args.keep_best_grad,
+            low_memory=args.low_memory,
         )
         sync(device)
         return time.perf_counter() - start
@@ -368,7 +368,7 @@ def memory_child(mode: str, args) -> dict:
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=mode,
-            keep_best_grad=args.keep_best_grad,
+            low_memory=args.low_memory,
         )
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
@@ -392,7 +392,7 @@ def measure_memory(args, device) -> dict:
             str(args.seq),
             "--autocast",
             args.autocast,
-            *(["--keep-best-grad"] if args.keep_best_grad else []),
+            *(["--low-memory"] if args.low_memory else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -425,7 +425,7 @@ def measure_memory_cuda(args, device) -> dict:
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
                 measure=mode,
-                keep_best_grad=args.keep_best_grad,
+                low_memory=args.low_memory,
             )
         torch.cuda.synchronize(device)
         out[mode] = {
@@ -640,9 +640,9 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
-        "--keep-best-grad",
+        "--low-memory",
         action="store_true",
-        help="keep_best_grad=True: keep a copy of Auto-PGD's best gradient for restarts",
+        help="low_memory=True: recompute the best gradient at restarts, new gradient buffers",
     )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,6 +9,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from zoo import ARCHITECTURES, CASES
+
 WORDS = "good bad great awful film movie plot actor fun dull boring superb the a is was".split()
 
 
@@ -67,3 +69,15 @@ def text_csv(tmp_path_factory):
     rows = ["text,label"] + [f"the film was {w},{i % 2}" for i, w in enumerate(WORDS)]
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    """Each model of the float64 case zoo (``zoo.CASES``): BERT, ViT, an encoder."""
+    return CASES[request.param](dtype=torch.float64)
+
+
+@pytest.fixture(params=list(ARCHITECTURES))
+def architecture(request):
+    """Each supported attention layout (``zoo.ARCHITECTURES``)."""
+    return ARCHITECTURES[request.param]

@@ -16,9 +16,9 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import geosharp
+from geosharp.geometry import Geometry
 from geosharp.symmetry import (
     Block,
     PairSpec,
@@ -28,6 +28,25 @@ from geosharp.symmetry import (
     reparameterize,
 )
 from geosharp.symmetry.groups import random_matrices
+from zoo import (
+    BERT,
+    CLIP_TEXT,
+    CLIP_VISION,
+    GL,
+    LLAMA,
+    QK_BERT,
+    VIT,
+    VO_BERT,
+    Attention,
+    TinyTimmViT,
+    _clip,
+    _cls_loss,
+    _gpt2,
+    _ids,
+    _labels,
+    _pixels,
+    _ready,
+)
 
 tf = pytest.importorskip("transformers")
 
@@ -37,251 +56,6 @@ GEODESIC_TOL = 1e-2  # relative, geodesic before vs after reparameterisation
 ADAPTIVE_MIN = 5e-2  # relative change adaptive sharpness must show
 
 
-def _ids(low: int = 2, high: int = 50, shape=(3, 7), seed: int = 0) -> torch.Tensor:
-    return torch.randint(low, high, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _pixels(seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(3, 3, 8, 8, generator=g, dtype=F64)
-
-
-def _labels(n: int = 3, classes: int = 3) -> torch.Tensor:
-    return torch.arange(n) % classes
-
-
-def _ready(model: nn.Module) -> nn.Module:
-    return model.to(F64).eval()
-
-
-def _lm_loss(model, batch):
-    return model(**batch, labels=batch["input_ids"]).loss
-
-
-def _cls_loss(model, batch):
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = model(**inputs)
-    return F.cross_entropy(out.logits, batch["labels"])
-
-
-def _clip_loss(model, batch):
-    return model(**batch, return_loss=True).loss
-
-
-BERT = dict(
-    vocab_size=50,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=32,
-    max_position_embeddings=32,
-)
-VIT = dict(
-    image_size=8,
-    patch_size=4,
-    num_channels=3,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=32,
-    num_labels=3,
-)
-LLAMA = dict(
-    vocab_size=50,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
-CLIP_TEXT = dict(
-    vocab_size=50,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    max_position_embeddings=16,
-)
-CLIP_VISION = dict(
-    image_size=8,
-    patch_size=4,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-)
-
-
-# --- a timm-style ViT, built locally (timm itself is not importable here) ------------------
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention laid out like timm's ``vision_transformer.Attention``:
-    one fused ``qkv`` linear layer whose outputs are ordered (q | k | v) x heads x d."""
-
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, scale_norm: bool = False):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.attn_drop = nn.Dropout(0.0)
-        self.norm = nn.LayerNorm(dim) if scale_norm else nn.Identity()
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(0.0)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, n, c = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        q, k = self.q_norm(q), self.k_norm(k)
-        weights = self.attn_drop(torch.softmax(q @ k.transpose(-1, -2) * self.scale, dim=-1))
-        heads = (weights @ v).transpose(1, 2).reshape(b, n, c)
-        return self.proj_drop(self.proj(self.norm(heads)))
-
-
-class TinyTimmViT(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 2, depth: int = 2, **attention):
-        super().__init__()
-        self.patch = nn.Linear(3 * 4 * 4, dim)
-        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
-        self.pos = nn.Parameter(torch.randn(1, 5, dim) * 0.1)
-        self.blocks = nn.ModuleList()
-        for _ in range(depth):
-            self.blocks.append(
-                nn.ModuleDict(
-                    dict(
-                        norm1=nn.LayerNorm(dim),
-                        attn=Attention(dim, heads, **attention),
-                        norm2=nn.LayerNorm(dim),
-                        mlp=nn.Sequential(
-                            nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)
-                        ),
-                    )
-                )
-            )
-        self.head = nn.Linear(dim, 3)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        b = pixel_values.shape[0]
-        patches = pixel_values.unfold(2, 4, 4).unfold(3, 4, 4)  # b, c, 2, 2, 4, 4
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, 4, -1)
-        x = torch.cat([self.cls.expand(b, -1, -1), self.patch(patches)], 1) + self.pos
-        for block in self.blocks:
-            x = x + block["attn"](block["norm1"](x))
-            x = x + block["mlp"](block["norm2"](x))
-        return self.head(x[:, 0])
-
-
-def _timm_loss(model, batch):
-    return F.cross_entropy(model(batch["pixel_values"]), batch["labels"])
-
-
-# --- the architectures of the issue ----------------------------------------------------------
-# name: (build, batch, loss, attention module of layer 0, expected pairs of that module,
-#        expected pairs in all, rho for geodesic-inv, rho for geodesic-mix)
-
-
-def _clip():
-    config = tf.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=8)
-    return tf.CLIPModel(config)
-
-
-def _gpt2():
-    return tf.GPT2LMHeadModel(
-        tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    )
-
-
-GL = "GL"
-QK_BERT = ("query-key", GL, (2, 17, 17, 8))
-VO_BERT = ("value-output", GL, (2, 17, 16, 8))
-
-ARCHITECTURES = {
-    "clip": (
-        _clip,
-        lambda: {"input_ids": _ids(), "pixel_values": _pixels()},
-        _clip_loss,
-        "text_model.encoder.layers.0.self_attn",
-        [QK_BERT, VO_BERT],
-        8,
-    ),
-    "gpt2": (
-        _gpt2,
-        lambda: {"input_ids": _ids(0)},
-        _lm_loss,
-        "transformer.h.0.attn",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    "roberta": (
-        lambda: tf.RobertaForSequenceClassification(
-            tf.RobertaConfig(**BERT, pad_token_id=1, num_labels=3, initializer_range=0.3)
-        ),
-        lambda: {"input_ids": _ids(), "labels": _labels()},
-        _cls_loss,
-        "roberta.encoder.layer.0.attention",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    "distilbert": (
-        lambda: tf.DistilBertForSequenceClassification(
-            tf.DistilBertConfig(
-                vocab_size=50,
-                dim=16,
-                n_layers=2,
-                n_heads=2,
-                hidden_dim=32,
-                max_position_embeddings=32,
-                num_labels=3,
-                initializer_range=0.3,
-            )
-        ),
-        lambda: {"input_ids": _ids(), "labels": _labels()},
-        _cls_loss,
-        "distilbert.transformer.layer.0.attention",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    "vit": (
-        lambda: tf.ViTForImageClassification(tf.ViTConfig(**VIT)),
-        lambda: {"pixel_values": _pixels(), "labels": _labels()},
-        _cls_loss,
-        "vit.layers.0.attention",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    "deit": (
-        lambda: tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(**VIT)),
-        lambda: {"pixel_values": _pixels(), "labels": _labels()},
-        _cls_loss,
-        "deit.layers.0.attention",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    "timm": (
-        lambda: TinyTimmViT(),
-        lambda: {"pixel_values": _pixels(), "labels": _labels()},
-        _timm_loss,
-        "blocks.0.attn",
-        [QK_BERT, VO_BERT],
-        4,
-    ),
-    # LLaMA with grouped-query attention: 4 query heads, 2 key/value heads of size 8;
-    # no biases, so G/H rows are d_in = 32 per head, stacked over the 2 query heads.
-    "llama": (
-        lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA)),
-        lambda: {"input_ids": _ids(0)},
-        _lm_loss,
-        "model.layers.0.self_attn",
-        [("query-key", "rotary", (2, 64, 32, 8)), ("value-output", GL, (2, 32, 64, 8))],
-        4,
-    ),
-}
-
 RHO = {"inv": 0.1, "mix": 0.01}
 
 
@@ -289,41 +63,30 @@ def _pairs_of(symmetries, module):
     return [(p.kind, p.group, p.shape) for p in symmetries.pairs if p.module == module]
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_discovery_and_exact_invariance(name):
-    build, batch, _, module, expected, total = ARCHITECTURES[name]
-    torch.manual_seed(0)
-    model = _ready(build())
+def test_discovery_and_exact_invariance(architecture):
+    case = architecture.case()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing unrecognised, nothing skipped
-        symmetries = find_symmetries(model)
+        symmetries = find_symmetries(case.model)
     assert symmetries.unrecognized == []
-    assert _pairs_of(symmetries, module) == expected
-    assert len(symmetries.pairs) == total
-    inputs = {k: v for k, v in batch().items() if k != "labels"}
-    check = check_symmetries(model, inputs, cond=COND)
+    assert _pairs_of(symmetries, architecture.module) == architecture.pairs
+    assert len(symmetries.pairs) == architecture.n_pairs
+    check = check_symmetries(case.model, case.inputs, cond=COND)
     assert check.ok, str(check)
     assert check.max_rel_change < 1e-12
 
 
 def _sharpness(model, batch, loss, geometry, metric):
+    measure = Geometry.named(geometry, metric=metric)
     return geosharp.sharpness(
-        model,
-        [batch],
-        loss,
-        geometry=geometry,
-        metric=metric,
-        rho=RHO[metric],
-        n_iters=10,
+        model, [batch], loss, measure, RHO[metric], geosharp.WorstCase(n_iters=10)
     ).value
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_geodesic_sharpness_is_invariant(name):
-    build, batch_fn, loss, *_ = ARCHITECTURES[name]
-    torch.manual_seed(0)
-    model = _ready(build())
-    batch = batch_fn()
+def test_geodesic_sharpness_is_invariant(architecture):
+    case = architecture.case()
+    (batch,) = case.batches
+    model, loss = case.model, case.loss_fn
     moved = copy.deepcopy(model)
     reparameterize(moved, cond=COND, seed=1)
     for metric in ("inv", "mix"):

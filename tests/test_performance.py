@@ -23,7 +23,7 @@ from geosharp.geometry.pairs import InvMetric, MixMetric
 from geosharp.layout import ParameterLayout, gather_strided, strided_segments
 from geosharp.measures import apgd, auto_pgd
 from geosharp.params import functional_loss
-from zoo import CASES, bert_case, encoder_case
+from zoo import bert_case, encoder_case
 
 F64 = torch.float64
 
@@ -42,9 +42,7 @@ def rel(a, b) -> float:
 # -- strided block access ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_strided_access_equals_indexing(name):
-    case = CASES[name]()
+def test_strided_access_equals_indexing(case):
     layout, theta = flat_setup(case.model)
     pairs = geosharp.find_symmetries(case.model).pairs
     blocks = stack_pairs(pairs, layout, theta.device)
@@ -290,17 +288,15 @@ def test_one_forward_backward_per_step():
         dict(geometry="adaptive", p=float("inf")),
     ):
         calls.clear()
-        geosharp.sharpness(
-            case.model, case.batches, loss_fn, rho=0.01, n_iters=7, keep_best_grad=True, **kw
-        )
+        geosharp.sharpness(case.model, case.batches, loss_fn, rho=0.01, n_iters=7, **kw)
         assert len(calls) == len(case.batches) * (7 + 2)
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
-def test_kept_or_recomputed_best_gradient_gives_the_same_values(measure):
-    """Without ``keep_best_grad`` a restart away from the current point recomputes the
-    best point's gradient (at most one more call per restart); the values are exactly
-    the same."""
+def test_low_memory_gives_the_same_values(measure):
+    """With ``low_memory`` a restart away from the current point recomputes the best
+    point's gradient (at most one more call per restart); the values are exactly the
+    same."""
     case = encoder_case(dtype=F64)
     calls = []
 
@@ -309,7 +305,7 @@ def test_kept_or_recomputed_best_gradient_gives_the_same_values(measure):
         return case.loss_fn(model, batch)
 
     results = {}
-    for keep in (True, False):
+    for keep in (True, False):  # keep: the best gradient kept (the default)
         calls.clear()
         results[keep] = geosharp.sharpness(
             case.model,
@@ -318,7 +314,7 @@ def test_kept_or_recomputed_best_gradient_gives_the_same_values(measure):
             measure=measure,
             rho=4 * geosharp.DEFAULT_RHO[measure],
             n_iters=20,
-            keep_best_grad=keep,
+            low_memory=not keep,
         )
         results[keep].calls = len(calls)
     keep, low = results[True], results[False]
@@ -354,8 +350,10 @@ class _LargeAllocations(TorchDispatchMode):
         dict(geometry="adaptive", p=float("inf")),
     ],
 )
-def test_one_parameter_sized_allocation_per_evaluation(kw):
-    """A step allocates the new gradient's buffer and nothing else parameter-sized."""
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_parameter_sized_allocations_per_step(kw, low_memory):
+    """By default a step allocates nothing parameter-sized (buffers are recycled); with
+    ``low_memory`` it allocates one, the new gradient's buffer, per evaluation."""
     case = encoder_case(dtype=torch.float32)
     _, theta = flat_setup(case.model)
     counts = []
@@ -373,9 +371,10 @@ def test_one_parameter_sized_allocation_per_evaluation(kw):
                 rho=0.01,
                 n_iters=n_iters,
                 callback=count,
+                low_memory=low_memory,
                 **kw,
             )
-        counts.append(mode.count - len(evaluations))
+        counts.append(mode.count - (len(evaluations) if low_memory else 0))
     assert counts[0] == counts[1], counts
 
 

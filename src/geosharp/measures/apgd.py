@@ -16,12 +16,14 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduction restarts from the best point.
 
 The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together), allocates one parameter-sized vector per step (the
-gradient's, whose memory a training step would use), and reads from the device once
-per checkpoint only. A restart needs the best point's gradient: it is recomputed when
-the best point is not the current one (one more forward+backward; on a random
-BERT-base, 1.25-2 passes per step over 2-6 steps), or, with ``keep_best_grad=True``, a
-copy is kept (one parameter-sized vector more, no extra pass).
+loss and its gradient together) and reads from the device once per checkpoint only.
+A restart needs the best point's gradient. By default a copy of it is kept and the
+loop allocates no parameter-sized vector per step (buffers are recycled). With
+``low_memory=True`` it keeps two vectors fewer: the best gradient is recomputed when
+the best point is not the current one (one more forward+backward there; 1.25-2
+passes per step on a random BERT-base over 2-6 steps), and each gradient gets a new
+buffer whose pages, on the CPU, are first written during backward as activations are
+freed, so that its memory is the training step's own (one allocation per step).
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def auto_pgd(
     xi0: Tensor | None = None,
     momentum: float = 0.75,
     callback: Callable[[str, int, Iterate], None] | None = None,
-    keep_best_grad: bool = False,
+    low_memory: bool = False,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -208,14 +210,13 @@ def auto_pgd(
     gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
-    Beyond the space, the loop holds the gradient and four parameter-sized vectors: the
-    point, ``xi``, the previous ``xi`` and the best ``xi``; three where the step is
-    straight (:attr:`PerturbationSpace.straight`, L2 ball), which keeps points
-    ``theta + xi`` in place of tangents. ``keep_best_grad=True`` adds a copy of the best
-    point's gradient (see the module's docstring). The gradient's buffer is new at each
-    evaluation, so that on the CPU its pages are first written during backward, as
-    activations are freed, as in a training step. ``callback(event, i, iterate)``, if
-    given, is called with ``"start"`` and ``"end"`` (the start and the best point),
+    Memory beyond the space and one training step: four parameter-sized vectors, the
+    point, ``xi``, the previous and the best ``xi`` (three where the step is straight,
+    :attr:`PerturbationSpace.straight`, L2 ball: the loop then keeps points ``theta +
+    xi`` in place of tangents), with ``low_memory=True``; by default also the gradient's
+    buffer and the best gradient (see the module's docstring). ``callback(event, i,
+    iterate)``, if given, is called with ``"start"`` and ``"end"`` (the start and the
+    best point),
     ``"evaluate"`` before and ``"evaluated"`` after each call of ``loss_grad``, and
     ``"step"`` after the ``i``-th update (for diagnostics and benchmarks);
     ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be written).
@@ -234,12 +235,19 @@ def auto_pgd(
         else (lambda event, i, x: None)
     )
 
+    spare: list[Tensor] = []  # recycled buffers (not with low_memory)
+
+    def release(t: Tensor) -> None:
+        if not low_memory and not spare:
+            spare.append(t)
+
     def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
         step = Retraction(x, []) if points else space.retr_(x, point)
         notify("evaluate", i, x)
-        # a new gradient buffer: its pages are first written during backward, as
-        # activations are freed (on the CPU: freed large blocks go back to the system)
-        value, grad = loss_grad(x if points else point, space.empty())
+        # low_memory: a new gradient buffer, whose pages are first written during
+        # backward as activations are freed (on the CPU, freed large blocks go back to
+        # the system); else a recycled one (no page faults)
+        value, grad = loss_grad(x if points else point, spare.pop() if spare else space.empty())
         notify("evaluated", i, x)
         return value, space.pullback_(step, grad), step
 
@@ -250,7 +258,7 @@ def auto_pgd(
     notify("start", 0, xi)
     value, grad, step = evaluate(xi, 0)
     best_value, best_xi = value, xi.clone()
-    best_grad = grad.clone() if keep_best_grad else None
+    best_grad = None if low_memory else grad.clone()
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
     on_host = xi.device.type in _HOST_DEVICES
@@ -266,6 +274,8 @@ def auto_pgd(
         a = momentum if i > 0 else 1.0
         new_xi = ball.step_(xi, xi_prev, grad, eta, a, step)
         step = None  # its pair blocks are not kept through the next forward+backward
+        if xi_prev is not xi:
+            release(xi_prev)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
         new_value, grad, step = evaluate(xi, i + 1)
@@ -295,6 +305,8 @@ def auto_pgd(
             reduced_last = too_few or stalled
             if reduced_last:  # halve the step and go back to the best point
                 eta /= 2.0
+                if xi_prev is not xi:
+                    release(xi_prev)
                 xi_prev = xi
                 if not at_best:
                     xi.copy_(best_xi)

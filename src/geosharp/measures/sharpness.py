@@ -95,7 +95,7 @@ def sharpness(
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
     callback: Callable[[str, int, Iterate], None] | None = None,
-    keep_best_grad: bool = False,
+    low_memory: bool = False,
     **flat,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
@@ -142,10 +142,11 @@ def sharpness(
         callback: ``callback(event, i, iterate)`` for diagnostics and benchmarks, handed
             to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
             ``iterate.xi`` is the tangent).
-        keep_best_grad: keep a copy of Auto-PGD's best point's gradient for its
-            restarts: one parameter-sized buffer more, and no second forward+backward
-            where a restart does not start from the current point (the default
-            recomputes it there). Same values.
+        low_memory: two parameter-sized vectors fewer in Auto-PGD (see
+            :func:`~geosharp.measures.auto_pgd`): the best point's gradient is
+            recomputed at a restart away from the current point (a forward+backward
+            more there) and each gradient's buffer is new (on the CPU its memory is then
+            the training step's own). Same values.
         **flat: the keywords of earlier versions, still accepted. The geometry piece by
             piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
             ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
@@ -254,7 +255,7 @@ def sharpness(
                         estimator.n_iters,
                         xi0,
                         callback=callback,
-                        keep_best_grad=keep_best_grad,
+                        low_memory=low_memory,
                     )
                     per_start.append(float(value) - loss0)
                     if float(value) > best:

@@ -739,7 +739,6 @@ def measure_grid(
                 rho=rho,
                 n_iters=n_iters,
                 seed=seed,
-                keep_best_grad=True,  # same values; time, not memory, binds a study
                 **sharpness_kwargs,
             )
             per_rho[repr(rho)] = dict(
