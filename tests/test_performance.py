@@ -295,8 +295,7 @@ def test_one_forward_backward_per_step():
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
 def test_low_memory_gives_the_same_values(measure):
     """With ``low_memory`` a restart away from the current point recomputes the best
-    point's gradient (at most one more call per restart); the values are exactly the
-    same."""
+    point's gradient (at most one more call per restart); the values are the same."""
     case = encoder_case(dtype=F64)
     calls = []
 
@@ -318,8 +317,10 @@ def test_low_memory_gives_the_same_values(measure):
         )
         results[keep].calls = len(calls)
     keep, low = results[True], results[False]
-    assert low.per_batch == keep.per_batch
-    assert [t.losses for t in low.traces] == [t.losses for t in keep.traces]
+    # the same to round-off (straight steps keep points theta + xi with low_memory)
+    assert low.per_batch == pytest.approx(keep.per_batch, rel=1e-12)
+    for a, b in zip(low.traces, keep.traces):
+        assert a.losses == pytest.approx(b.losses, rel=1e-12) and a.restarts == b.restarts
     restarts = sum(len(t.restarts) for t in keep.traces)
     assert restarts > 0
     assert keep.calls <= low.calls <= keep.calls + restarts

@@ -341,29 +341,33 @@ class PerturbationSpace:
         by piece (exact where ``point`` is near ``theta``; no cancellation of large dot
         products)."""
         total = torch.zeros((), dtype=torch.float64, device=y.device)
-        for s, e, theta, _ in self._pieces():
+        for s, e, theta, *_ in self._pieces():
             total += torch.dot(point[s:e] - theta, y[s:e]).double()
         return total
 
     def _pieces(self):
-        """``(start, end, theta piece, pair mask piece)`` covering the layout."""
+        """``(start, end, theta piece, pair mask piece, frozen)`` covering the layout."""
         step = self._chunk
         for part in self._parts:
             n = part.theta.numel()
             for a in range(0, n, step):
                 b = min(n, a + step)
                 pairs = part.pairs[a:b] if isinstance(part.pairs, Tensor) else part.pairs
-                yield part.start + a, part.start + b, part.theta[a:b], pairs
+                yield part.start + a, part.start + b, part.theta[a:b], pairs, part.frozen
 
-    def _scale_piece(self, theta: Tensor, pairs: bool | Tensor) -> Tensor | None:
-        """``c`` on a piece (``None``: zero on all of it)."""
+    def _scale_piece(
+        self, theta: Tensor, pairs: bool | Tensor, frozen: bool = True
+    ) -> Tensor | None:
+        """``c`` on a piece (``None``: zero on all of it); ``frozen=False`` says that no
+        entry of the piece's parameter is below the threshold."""
         if pairs is True:
             return None
         if self._unit:
             c = torch.ones_like(theta)
         else:
             c = theta.abs()
-            c.masked_fill_(c <= self._tiny, 0)
+            if frozen:
+                c.masked_fill_(c <= self._tiny, 0)
         if isinstance(pairs, Tensor):
             c.masked_fill_(pairs, 0)
         return c
@@ -376,8 +380,8 @@ class PerturbationSpace:
         """``x <- c^power x`` in place (zero where ``c = 0``)."""
         if self._trivial:
             return x
-        for s, e, theta, pairs in self._pieces():
-            c = self._scale_piece(theta, pairs)
+        for s, e, theta, pairs, frozen in self._pieces():
+            c = self._scale_piece(theta, pairs, frozen)
             if c is None:
                 x[s:e].zero_()
             else:
@@ -428,8 +432,8 @@ class PerturbationSpace:
         if self._trivial:
             return self.dot(x, y)
         total = torch.zeros((), dtype=torch.float64, device=x.device)
-        for s, e, theta, pairs in self._pieces():
-            c = self._scale_piece(theta, pairs)
+        for s, e, theta, pairs, frozen in self._pieces():
+            c = self._scale_piece(theta, pairs, frozen)
             if c is None:
                 continue
             inv = torch.where(c > 0, c.reciprocal(), torch.zeros_like(c))
@@ -445,8 +449,8 @@ class PerturbationSpace:
 
     def linf_norm(self, xi: Tensor) -> Tensor:
         best = torch.zeros((), dtype=torch.float64, device=xi.device)
-        for s, e, theta, pairs in self._pieces():
-            c = self._scale_piece(theta, pairs)
+        for s, e, theta, pairs, frozen in self._pieces():
+            c = self._scale_piece(theta, pairs, frozen)
             if c is None:
                 continue
             part = (xi[s:e] / torch.where(c > 0, c, torch.ones_like(c))).abs_()
@@ -456,8 +460,8 @@ class PerturbationSpace:
 
     def clamp_box_(self, xi: Tensor, rho: float) -> Tensor:
         """Clamp ``xi`` in place into the element-wise box ``|xi_j| <= rho c_j``."""
-        for s, e, theta, pairs in self._pieces():
-            c = self._scale_piece(theta, pairs)
+        for s, e, theta, pairs, frozen in self._pieces():
+            c = self._scale_piece(theta, pairs, frozen)
             if c is None:
                 xi[s:e].zero_()
             else:
@@ -551,7 +555,7 @@ class PerturbationSpace:
             if xp is not None:
                 out.addcmul_(xp, kxp)
             return out
-        for s, e, theta, _ in self._pieces():
+        for s, e, theta, *_ in self._pieces():
             piece = out[s:e].mul_(kd)
             piece.addcmul_(x[s:e] - theta, kx)
             if xp is not None:
@@ -585,7 +589,7 @@ class PerturbationSpace:
     def _exp_step_(self, xi: Tensor, out: Tensor) -> None:
         """``out <- theta exp(xi / theta)`` where ``theta != 0`` (``theta + xi`` elsewhere
         and on pair entries, which keep the straight step)."""
-        for s, e, theta, _ in self._pieces():
+        for s, e, theta, *_ in self._pieces():
             nonzero = theta != 0
             ratio = torch.where(nonzero, xi[s:e] / torch.where(nonzero, theta, 1), 0)
             out[s:e] = torch.where(nonzero, theta * torch.exp(ratio), theta + xi[s:e])
@@ -621,7 +625,7 @@ class PerturbationSpace:
         """``grad *= exp(xi / theta)`` where ``theta != 0``, pair entries excepted (they
         keep the straight step)."""
         kept = [block.gather(grad) for block in self.blocks]
-        for s, e, theta, _ in self._pieces():
+        for s, e, theta, *_ in self._pieces():
             nonzero = theta != 0
             ratio = xi[s:e] / torch.where(nonzero, theta, torch.ones_like(theta))
             grad[s:e].mul_(torch.where(nonzero, ratio.exp_(), torch.ones_like(theta)))

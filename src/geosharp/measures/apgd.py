@@ -210,11 +210,11 @@ def auto_pgd(
     gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
-    Memory beyond the space and one training step: four parameter-sized vectors, the
-    point, ``xi``, the previous and the best ``xi`` (three where the step is straight,
-    :attr:`PerturbationSpace.straight`, L2 ball: the loop then keeps points ``theta +
-    xi`` in place of tangents), with ``low_memory=True``; by default also the gradient's
-    buffer and the best gradient (see the module's docstring). ``callback(event, i,
+    Memory beyond the space and one training step, with ``low_memory=True``: four
+    parameter-sized vectors, the point, ``xi``, the previous and the best ``xi`` (three
+    where the step is straight, :attr:`PerturbationSpace.straight`, L2 ball: the loop
+    then keeps points ``theta + xi`` in place of tangents); by default also the
+    gradient's buffer and the best gradient (see the module's docstring). ``callback(event, i,
     iterate)``, if given, is called with ``"start"`` and ``"end"`` (the start and the
     best point),
     ``"evaluate"`` before and ``"evaluated"`` after each call of ``loss_grad``, and
@@ -226,7 +226,9 @@ def auto_pgd(
     the comparison and copies only on improvement.
     """
     box = space.geometry.p == float("inf")
-    points = space.straight and not box  # iterates are points theta + xi
+    # low_memory, straight step: iterates are points theta + xi (no point buffer, at the
+    # price of forming tangents piece by piece)
+    points = low_memory and space.straight and not box
     ball = _Box(space, rho) if box else _L2Ball(space, rho, points=points)
     point = None if points else space.empty()
     notify = (
