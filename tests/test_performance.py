@@ -439,3 +439,21 @@ def test_per_batch_generators_make_values_independent_of_order():
     first = geosharp.sharpness(case.model, case.batches[:1], case.loss_fn, **kw)
     assert full.per_batch[0] == first.per_batch[0]
     assert full.per_batch[0] != full.per_batch[1]
+
+
+@pytest.mark.parametrize("name", ["adaptive", "geodesic", "geodesic-curvature-only"])
+def test_cached_scale_changes_no_value(encoder, name):
+    """``cache_scale=True`` (the default mode of ``sharpness``) keeps ``c`` as one vector;
+    every result is bit-identical to the piece-wise computation."""
+    _, layout, theta, pairs = encoder
+    geometry = Geometry.named(name)
+    lean = PerturbationSpace(theta, layout, pairs, geometry)
+    cached = PerturbationSpace(theta, layout, pairs, geometry, cache_scale=True)
+    assert lean._cached_scale is None and cached._cached_scale is not None
+    assert torch.equal(lean.scale, cached.scale)
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(theta.shape, generator=gen, dtype=F64)
+    assert torch.equal(lean.scale_(g.clone(), 2), cached.scale_(g.clone(), 2))
+    assert torch.equal(lean.egrad2rgrad(g), cached.egrad2rgrad(g))
+    (sq_a, _), (sq_b, _) = lean.split_direction_(g.clone()), cached.split_direction_(g.clone())
+    assert torch.equal(sq_a, sq_b)

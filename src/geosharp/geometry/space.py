@@ -264,9 +264,10 @@ class PerturbationSpace:
     explicit (:class:`Retraction`). The element-wise scale ``c`` and the mask of frozen
     entries are computed from ``theta`` piece by piece when used (:attr:`scale` and
     :attr:`active` build them whole, for inspection): the space keeps no
-    parameter-sized vector. The pair maths is the pair states' own
-    (:class:`~geosharp.geometry.pairs.PairState`); this class only reads and writes
-    their blocks.
+    parameter-sized vector, unless ``cache_scale=True`` keeps ``c`` (one vector, and
+    a multiplication instead of a piece-wise computation wherever it is applied). The
+    pair maths is the pair states' own (:class:`~geosharp.geometry.pairs.PairState`);
+    this class only reads and writes their blocks.
     """
 
     def __init__(
@@ -275,6 +276,7 @@ class PerturbationSpace:
         layout: ParameterLayout,
         pairs: Sequence[PairSpec],
         geometry: Geometry,
+        cache_scale: bool = False,
     ):
         params = _parameter_views(theta, layout)
         first = params[layout.names[0]]
@@ -305,6 +307,9 @@ class PerturbationSpace:
         self._trivial = self._unit and not in_pairs  # c = 1 everywhere
         # Element-wise work on CPU goes in cache-sized pieces; a GPU takes large ones.
         self._chunk = (1 << 18) if self.device.type == "cpu" else (1 << 26)
+        self._cached_scale = None
+        if cache_scale and not self._trivial:
+            self._cached_scale = self.scale  # one vector more, one pass less per use
 
     # -- the base point, piece by piece --------------------------------------------------
 
@@ -380,6 +385,9 @@ class PerturbationSpace:
         """``x <- c^power x`` in place (zero where ``c = 0``)."""
         if self._trivial:
             return x
+        if self._cached_scale is not None:
+            x.mul_(self._cached_scale)
+            return x.mul_(self._cached_scale) if power == 2 else x
         for s, e, theta, pairs, frozen in self._pieces():
             c = self._scale_piece(theta, pairs, frozen)
             if c is None:
@@ -393,7 +401,14 @@ class PerturbationSpace:
     @property
     def scale(self) -> Tensor:
         """The element-wise scale ``c`` as a new flat vector (for inspection)."""
-        return self.scale_(torch.ones(self.numel, dtype=self.dtype, device=self.device))
+        ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)
+        if self._trivial:
+            return ones
+        cached, self._cached_scale = getattr(self, "_cached_scale", None), None
+        try:
+            return self.scale_(ones)
+        finally:
+            self._cached_scale = cached
 
     @property
     def inv_scale(self) -> Tensor:

@@ -142,8 +142,9 @@ def sharpness(
         callback: ``callback(event, i, iterate)`` for diagnostics and benchmarks, handed
             to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
             ``iterate.xi`` is the tangent).
-        low_memory: two parameter-sized vectors fewer in Auto-PGD (see
-            :func:`~geosharp.measures.auto_pgd`): the best point's gradient is
+        low_memory: three parameter-sized vectors fewer: no stored element-wise scale
+            (computed piece by piece), and in Auto-PGD (see
+            :func:`~geosharp.measures.auto_pgd`) the best point's gradient is
             recomputed at a restart away from the current point (a forward+backward
             more there) and each gradient's buffer is new (on the CPU its memory is then
             the training step's own). Same values.
@@ -227,7 +228,7 @@ def sharpness(
 
     records = []  # (batch index, value, unperturbed loss, trace, value of each start)
     with evaluation_mode(model):
-        space = PerturbationSpace(theta, layout, pairs, geo)
+        space = PerturbationSpace(theta, layout, pairs, geo, cache_scale=not low_memory)
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, named) if upcast else None
         )
