@@ -145,19 +145,10 @@ class StackedPairs:
 
     def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
-
-        def side(attr: str) -> Tensor:
-            return torch.cat(
-                [
-                    torch.cat(
-                        [params[b.param][b.index.to(self.device)] for b in getattr(s, attr)],
-                        dim=1,
-                    )
-                    for s in self.specs
-                ]
-            )
-
-        return side("g_blocks"), side("h_blocks")
+        return tuple(  # type: ignore[return-value]
+            _stacked(self.specs, side, lambda b: params[b.param][b.index.to(self.device)])
+            for side in ("g_blocks", "h_blocks")
+        )
 
     def scatter(self, flat: Tensor, blocks: tuple[Tensor, Tensor]) -> Tensor:
         """``flat`` with this pair's entries replaced by ``blocks`` (out of place)."""
@@ -194,15 +185,16 @@ class StackedPairs:
         )
 
 
+def _stacked(specs: Sequence[PairSpec], side: str, read) -> Tensor:
+    """``read(block)`` for every block of one side (``"g_blocks"`` or ``"h_blocks"``) of
+    ``specs``: rows concatenated within a pair, pairs stacked."""
+    return torch.cat([torch.cat([read(b) for b in getattr(s, side)], dim=1) for s in specs])
+
+
 def _flat_index(
-    specs: Sequence[PairSpec], attr: str, layout: ParameterLayout, device: torch.device
+    specs: Sequence[PairSpec], side: str, layout: ParameterLayout, device: torch.device
 ) -> Tensor:
-    return torch.cat(
-        [
-            torch.cat([layout.offset(b.param) + b.index for b in getattr(s, attr)], dim=1)
-            for s in specs
-        ]
-    ).to(device)
+    return _stacked(specs, side, lambda b: layout.offset(b.param) + b.index).to(device)
 
 
 def stack_pairs(
@@ -246,6 +238,10 @@ class _Part:
     theta: Tensor
     pairs: bool | Tensor = False
     frozen: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.theta.numel()
 
 
 class PerturbationSpace:
@@ -326,19 +322,19 @@ class PerturbationSpace:
     def straight(self) -> bool:
         """Whether the step is the straight line ``theta + xi`` (no geodesic correction,
         no exponential): then a point is its own tangent plus ``theta``, and Auto-PGD
-        keeps points instead of tangents (one vector less)."""
+        with ``low_memory=True`` keeps points instead of tangents (one vector less)."""
         return not (self.geometry.geodesic_step or self.geometry.exp_elementwise)
 
     def to_point_(self, xi: Tensor) -> Tensor:
         """``xi <- theta + xi`` in place."""
         for part in self._parts:
-            xi[part.start : part.start + part.theta.numel()].add_(part.theta)
+            xi[part.start : part.end].add_(part.theta)
         return xi
 
     def to_tangent_(self, point: Tensor) -> Tensor:
         """``point <- point - theta`` in place."""
         for part in self._parts:
-            point[part.start : part.start + part.theta.numel()].sub_(part.theta)
+            point[part.start : part.end].sub_(part.theta)
         return point
 
     def tangent_dot(self, point: Tensor, y: Tensor) -> Tensor:
@@ -388,6 +384,10 @@ class PerturbationSpace:
         if self._cached_scale is not None:
             x.mul_(self._cached_scale)
             return x.mul_(self._cached_scale) if power == 2 else x
+        return self._scale_pieces_(x, power)
+
+    def _scale_pieces_(self, x: Tensor, power: int = 1) -> Tensor:
+        """:meth:`scale_` computing ``c`` piece by piece."""
         for s, e, theta, pairs, frozen in self._pieces():
             c = self._scale_piece(theta, pairs, frozen)
             if c is None:
@@ -402,13 +402,7 @@ class PerturbationSpace:
     def scale(self) -> Tensor:
         """The element-wise scale ``c`` as a new flat vector (for inspection)."""
         ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)
-        if self._trivial:
-            return ones
-        cached, self._cached_scale = getattr(self, "_cached_scale", None), None
-        try:
-            return self.scale_(ones)
-        finally:
-            self._cached_scale = cached
+        return ones if self._trivial else self._scale_pieces_(ones)
 
     @property
     def inv_scale(self) -> Tensor:
@@ -425,8 +419,7 @@ class PerturbationSpace:
         out = torch.ones(self.numel, dtype=torch.bool, device=self.device)
         for part in self._parts:
             if part.frozen:
-                end = part.start + part.theta.numel()
-                out[part.start : end] = ~self._frozen_mask(part.theta, part.pairs)
+                out[part.start : part.end] = ~self._frozen_mask(part.theta, part.pairs)
         return out
 
     def dot(self, x: Tensor, y: Tensor) -> Tensor:
@@ -494,8 +487,7 @@ class PerturbationSpace:
         """:meth:`proju` in place (returns ``xi``)."""
         for part in self._parts:
             if part.frozen:
-                end = part.start + part.theta.numel()
-                xi[part.start : end].masked_fill_(self._frozen_mask(part.theta, part.pairs), 0)
+                xi[part.start : part.end].masked_fill_(self._frozen_mask(part.theta, part.pairs), 0)
         for block in self._metric_blocks:
             block.scatter_(xi, block.state.proju(block.gather(xi)))
         return xi
@@ -587,8 +579,8 @@ class PerturbationSpace:
                 self._exp_step_(xi, out)
             else:
                 for part in self._parts:
-                    end = part.start + part.theta.numel()
-                    torch.add(part.theta, xi[part.start : end], out=out[part.start : end])
+                    sl = slice(part.start, part.end)
+                    torch.add(part.theta, xi[sl], out=out[sl])
             if self.geometry.geodesic_step:
                 for block in self.blocks:
                     x = block.gather(xi)
@@ -605,9 +597,7 @@ class PerturbationSpace:
         """``out <- theta exp(xi / theta)`` where ``theta != 0`` (``theta + xi`` elsewhere
         and on pair entries, which keep the straight step)."""
         for s, e, theta, *_ in self._pieces():
-            nonzero = theta != 0
-            ratio = torch.where(nonzero, xi[s:e] / torch.where(nonzero, theta, 1), 0)
-            out[s:e] = torch.where(nonzero, theta * torch.exp(ratio), theta + xi[s:e])
+            out[s:e] = _exp_step(theta, xi[s:e])
         params = self._params()
         for block in self.blocks:
             g_th, h_th = block.gather_params(params)
@@ -666,8 +656,7 @@ class PerturbationSpace:
         geometry = self.geometry
         theta = self.theta_flat()
         if geometry.exp_elementwise:
-            ratio = torch.where(theta != 0, xi / torch.where(theta != 0, theta, 1), 0)
-            out = torch.where(theta != 0, theta * torch.exp(ratio), theta + xi)
+            out = _exp_step(theta, xi)
             for block in self.blocks:  # pair entries keep the straight line
                 g_th, h_th = block.gather(theta)
                 g_xi, h_xi = block.gather(xi)
@@ -680,6 +669,13 @@ class PerturbationSpace:
                 out = out.index_add_(0, block.g_index.reshape(-1), aG.reshape(-1), alpha=0.5)
                 out = out.index_add_(0, block.h_index.reshape(-1), aH.reshape(-1), alpha=0.5)
         return out
+
+
+def _exp_step(theta: Tensor, xi: Tensor) -> Tensor:
+    """``theta exp(xi / theta)`` where ``theta != 0``, ``theta + xi`` elsewhere."""
+    nonzero = theta != 0
+    ratio = torch.where(nonzero, xi / torch.where(nonzero, theta, 1), 0)
+    return torch.where(nonzero, theta * torch.exp(ratio), theta + xi)
 
 
 def _parameter_views(theta: Tensor | Mapping[str, Tensor], layout: ParameterLayout) -> dict:

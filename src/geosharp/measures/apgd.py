@@ -79,6 +79,23 @@ class APGDTrace:
         }
 
 
+class _Buffers:
+    """Parameter-sized buffers handed around instead of allocated (a new vector of
+    hundreds of megabytes costs its page faults on every step). With ``recycle=False``
+    (``low_memory``) every take is a new vector and nothing is kept."""
+
+    def __init__(self, space: PerturbationSpace, recycle: bool):
+        self.space, self.recycle, self.free = space, recycle, []
+
+    def take(self) -> Tensor:
+        return self.free.pop() if self.free else self.space.empty()
+
+    def give(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            if self.recycle and len(self.free) < 3 and all(t is not f for f in self.free):
+                self.free.append(t)
+
+
 class _L2Ball:
     r"""The metric ball. One step needs two dot products with the gradient and no norm
     of a new vector: with ``d`` the horizontal Riemannian gradient,
@@ -178,9 +195,9 @@ class _Box:
 
 
 class Iterate:
-    """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent. Straight-step
-    geometries keep the point ``theta + xi`` instead (one vector less); there ``xi`` is
-    a new vector, computed when read."""
+    """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent. With
+    ``low_memory=True`` straight-step geometries keep the point ``theta + xi`` instead
+    (one vector less); there ``xi`` is a new vector, computed when read."""
 
     __slots__ = ("_point", "_space", "_x")
 
@@ -214,12 +231,13 @@ def auto_pgd(
     parameter-sized vectors, the point, ``xi``, the previous and the best ``xi`` (three
     where the step is straight, :attr:`PerturbationSpace.straight`, L2 ball: the loop
     then keeps points ``theta + xi`` in place of tangents); by default also the
-    gradient's buffer and the best gradient (see the module's docstring). ``callback(event, i,
-    iterate)``, if given, is called with ``"start"`` and ``"end"`` (the start and the
-    best point),
-    ``"evaluate"`` before and ``"evaluated"`` after each call of ``loss_grad``, and
-    ``"step"`` after the ``i``-th update (for diagnostics and benchmarks);
-    ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be written).
+    gradient's buffer and the best gradient (see the module's docstring).
+
+    ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``
+    (the start and the best point), ``"evaluate"`` before and ``"evaluated"`` after each
+    call of ``loss_grad``, and ``"step"`` after the ``i``-th update (for diagnostics and
+    benchmarks); ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be
+    written).
 
     On a GPU the loop never waits for the device outside the checkpoints (the best point
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
@@ -237,11 +255,7 @@ def auto_pgd(
         else (lambda event, i, x: None)
     )
 
-    spare: list[Tensor] = []  # recycled buffers (not with low_memory)
-
-    def release(t: Tensor) -> None:
-        if not low_memory and not spare:
-            spare.append(t)
+    buffers = _Buffers(space, recycle=not low_memory)
 
     def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
         step = Retraction(x, []) if points else space.retr_(x, point)
@@ -249,7 +263,7 @@ def auto_pgd(
         # low_memory: a new gradient buffer, whose pages are first written during
         # backward as activations are freed (on the CPU, freed large blocks go back to
         # the system); else a recycled one (no page faults)
-        value, grad = loss_grad(x if points else point, spare.pop() if spare else space.empty())
+        value, grad = loss_grad(x if points else point, buffers.take())
         notify("evaluated", i, x)
         return value, space.pullback_(step, grad), step
 
@@ -277,7 +291,7 @@ def auto_pgd(
         new_xi = ball.step_(xi, xi_prev, grad, eta, a, step)
         step = None  # its pair blocks are not kept through the next forward+backward
         if xi_prev is not xi:
-            release(xi_prev)
+            buffers.give(xi_prev)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
         new_value, grad, step = evaluate(xi, i + 1)
@@ -308,7 +322,7 @@ def auto_pgd(
             if reduced_last:  # halve the step and go back to the best point
                 eta /= 2.0
                 if xi_prev is not xi:
-                    release(xi_prev)
+                    buffers.give(xi_prev)
                 xi_prev = xi
                 if not at_best:
                     xi.copy_(best_xi)
@@ -316,7 +330,7 @@ def auto_pgd(
                         grad.copy_(best_grad)
                         value, step = best_value, None
                     else:
-                        del grad
+                        buffers.give(grad)
                         value, grad, step = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)

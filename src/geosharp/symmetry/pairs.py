@@ -75,13 +75,7 @@ class Block:
         """The ``(heads, rows, h)`` int64 positions (rebuilt on each read when affine)."""
         if self._affine is None:
             return self._index
-        offset, strides = self._affine
-        out = torch.full(self.shape, offset, dtype=torch.long)
-        for dim, (size, stride) in enumerate(zip(self.shape, strides)):
-            shape = [1, 1, 1]
-            shape[dim] = size
-            out += (torch.arange(size, dtype=torch.long) * stride).view(shape)
-        return out
+        return _affine_positions(self.shape, *self._affine)
 
     def __repr__(self) -> str:
         where = (
@@ -103,6 +97,16 @@ class Block:
     __hash__ = object.__hash__
 
 
+def _affine_positions(shape: Sequence[int], offset: int, strides: Sequence[int]) -> Tensor:
+    """``out[k, r, c] = offset + k s0 + r s1 + c s2`` (int64)."""
+    out = torch.full(tuple(shape), offset, dtype=torch.long)
+    for dim, (size, stride) in enumerate(zip(shape, strides)):
+        view = [1, 1, 1]
+        view[dim] = size
+        out += (torch.arange(size, dtype=torch.long) * stride).view(view)
+    return out
+
+
 def _affine(index: Tensor) -> tuple[int, tuple[int, int, int]] | None:
     """``(offset, strides)`` with ``index[k, r, c] = offset + k s0 + r s1 + c s2``, or
     ``None`` when ``index`` is not of that form."""
@@ -118,11 +122,7 @@ def _affine(index: Tensor) -> tuple[int, tuple[int, int, int]] | None:
             strides.append(int(idx[tuple(unit)]) - offset)
         else:
             strides.append(0)
-    rebuilt = torch.full(idx.shape, offset, dtype=torch.long)
-    for dim, (size, stride) in enumerate(zip(idx.shape, strides)):
-        shape = [1, 1, 1]
-        shape[dim] = size
-        rebuilt += (torch.arange(size, dtype=torch.long) * stride).view(shape)
+    rebuilt = _affine_positions(idx.shape, offset, strides)
     return (offset, tuple(strides)) if torch.equal(rebuilt, idx) else None
 
 
