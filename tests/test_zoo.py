@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from geosharp.studies import zoo
+from geosharp.studies.stats import granulated_tau
 from launch import run_python
 
 
@@ -134,10 +135,10 @@ def test_granulated_tau_on_a_grid():
     # full 2x2 grid; the measure equals the gap: every axis gives tau 1
     hps = [dict(a=a, b=b) for a in (0, 1) for b in (0, 1)]
     gap = [0.1, 0.3, 0.2, 0.5]
-    out = zoo.granulated_tau(gap, gap, hps, ["a", "b"])
+    out = granulated_tau(gap, gap, hps, ["a", "b"])
     assert out["granulated"] == 1.0
     assert all(d["other_axes_differing"] == 0 and d["pairs"] == 2 for d in out["per_axis"].values())
-    out = zoo.granulated_tau([-g for g in gap], gap, hps, ["a", "b"])
+    out = granulated_tau([-g for g in gap], gap, hps, ["a", "b"])
     assert out["granulated"] == -1.0
 
 
@@ -163,12 +164,14 @@ def test_within_levels_removes_a_confounder():
 def test_augment_shapes():
     import torch
 
+    from geosharp.studies.zoo.tasks import augment
+
     x = torch.rand(5, 1, 28, 28) * 2 - 1
     gen = torch.Generator().manual_seed(0)
     for mode in ("none", "shift", "shift+flip"):
-        y = zoo._augment(x, mode, gen)
+        y = augment(x, mode, gen)
         assert y.shape == x.shape
-    assert torch.equal(zoo._augment(x, "none", gen), x)
+    assert torch.equal(augment(x, "none", gen), x)
 
 
 def test_cli_zoo(tmp_path):
@@ -183,8 +186,9 @@ def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
     import geosharp.data
 
     monkeypatch.setattr(geosharp.data, "FASHION_MNIST_DIRS", (tmp_path,))
-    monkeypatch.setattr(zoo, "_VISION_CACHE", {})
-    xtr, ytr, _, yte, source = zoo.vision_data(10)
+    task = zoo.tasks.VisionTask()  # its own cache
+    xtr, ytr, _, yte, source = task.pool()
+    yte = yte[:10]
     assert source.startswith("digits")
     assert xtr.shape[1:] == (1, 28, 28) and len(yte) == 10 and len(ytr) == len(xtr)
     assert -1.0 <= float(xtr.min()) and float(xtr.max()) <= 1.0
@@ -226,9 +230,10 @@ def test_text_model_round_trip_and_symmetries(tmp_path):
     import geosharp
 
     hp = dict(layers=1, seed=3)
-    model = zoo.build_model(hp, "text").eval()
-    zoo._save_model(model, tmp_path / "m")
-    loaded = zoo.load_zoo_model(tmp_path / "m", "text")
+    task = zoo.task_for("text")
+    model = task.build_model(hp).eval()
+    zoo.store.save_model(model, tmp_path / "m")
+    loaded = task.load_model(tmp_path / "m")
     ids = torch.tensor([[101, 2023, 3185, 2003, 2307, 102, 0, 0]])
     mask = (ids != 0).long()
     with torch.no_grad():
@@ -263,3 +268,72 @@ def test_get_preset_names_the_choices():
 
     with pytest.raises(UsageError, match="text/seeds"):
         zoo.get_preset("vision", "seeds")
+
+
+def _endpoint_preset():
+    """The text smoke zoo with the seed population's protocol: batch vocabulary,
+    baselines, a calibration target, two measurement batches."""
+    return dataclasses.replace(
+        zoo.get_preset("text", "smoke"),
+        n_models=4,
+        measures=zoo.MAIN_MEASURES,
+        frozen_in_measure=(),
+        measure_vocabulary="batch",
+        baselines=True,
+        target=0.01,
+        max_train_error=1.0,  # smoke models are not converged
+        n_points=16,
+        measure_batch=8,
+    )
+
+
+def test_endpoint_population_end_to_end(tmp_path):
+    from geosharp.studies.zoo.report import endpoint_study, rows_from_table
+
+    preset = _endpoint_preset()
+    zoo.train_zoo(preset, tmp_path, progress=False)
+    zoo.measure_zoo(preset, tmp_path, progress=False)
+    record = json.loads((tmp_path / "text" / "measures" / "text-000.json").read_text())
+    assert 0 < record["embedding_rows"] <= 16 * 24 < 30522
+    assert set(record["baselines"]) == {
+        "grad_norm",
+        "weight_norm",
+        "distance_from_init",
+        "measure_loss",
+    }
+    assert record["baselines"]["distance_from_init"] > 0
+    zoo.report_zoo(preset, tmp_path, population="text/test")
+    rdir = tmp_path / "text" / "report"
+    study = json.loads((rdir / "endpoints.json").read_text())
+    for key in ("population", "n_models", "n_excluded", "excluded", "n_points", "batch_size"):
+        assert key in study
+    assert study["n_models"] == 4 and study["population"] == "text/test"
+    assert set(study["measures"]) == set(zoo.MAIN_MEASURES)
+    assert set(study["differences"]) == {
+        "geodesic-inv minus adaptive",
+        "geodesic-mix minus adaptive",
+    }
+    assert {"grad_norm", "train_loss", "distance_from_init"} <= set(study["baselines"])
+    assert set(study["split_half"]) == set(zoo.MAIN_MEASURES)
+    # every value recomputes from models.csv
+    again = endpoint_study(preset, rows_from_table((rdir / "models.csv").read_text()), "text/test")
+    assert json.loads(json.dumps(again)) == study
+    text = (rdir / "report.md").read_text()
+    assert "Pre-registered endpoints: text/test" in text and (rdir / "tau_curves.png").exists()
+
+
+def test_baselines_of_an_untrained_model():
+    """distance_from_init is 0 at the model's starting point, and grad_norm is the norm
+    of the full-batch gradient computed in one piece."""
+    import torch
+
+    preset = zoo.get_preset("vision", "smoke")
+    hp = zoo.sample_hyperparameters(preset)[0]
+    task = zoo.task_for("vision")
+    model = task.build_model(hp).eval()
+    out = zoo.model_baselines(preset, hp, model)
+    assert out["distance_from_init"] == 0.0
+    x, y = task.train_set(hp)
+    task.loss(model, (x, y)).backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert out["grad_norm"] == pytest.approx(float(grad), rel=1e-5)

@@ -30,7 +30,14 @@ import numpy as np
 
 from .stats import calibrated_index, kendall_tau_with_ci, partial_tau, tau_difference
 
-__all__ = ["BASELINES", "Protocol", "endpoints", "plot_tau_curves", "tau_curves"]
+__all__ = [
+    "BASELINES",
+    "Protocol",
+    "endpoints",
+    "format_endpoints",
+    "plot_tau_curves",
+    "tau_curves",
+]
 
 # Columns of a model row that are reported as trivial baselines when present.
 BASELINES = (
@@ -39,6 +46,7 @@ BASELINES = (
     "grad_norm",
     "weight_norm",
     "distance_from_init",
+    "measure_loss",
     "lr",
 )
 
@@ -166,9 +174,13 @@ def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str])
                     tau_diff=d.estimate, ci=[d.low, d.high]
                 )
             result["differences_by_factor"][name] = by_factor
+    result["constant_baselines"] = []
     for column in BASELINES:
         if all(column in r for r in kept):
             x = np.array([r[column] for r in kept], dtype=np.float64)
+            if np.all(x == x[0]):  # no ranking to correlate (e.g. one learning rate)
+                result["constant_baselines"].append(column)
+                continue
             ci = kendall_tau_with_ci(x, gap, **boot)
             result["baselines"][column] = dict(tau=ci.estimate, ci=[ci.low, ci.high])
     return result
@@ -213,3 +225,85 @@ def plot_tau_curves(curves: dict, path) -> None:
     fig.tight_layout()
     save_png(fig, path)
     plt.close(fig)
+
+
+def _ci(value: float, ci: Sequence[float]) -> str:
+    if not all(math.isfinite(x) for x in (value, *ci)):
+        return "n/a"
+    return f"{value:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def format_endpoints(study: dict, curves_png: str | None = None) -> str:
+    """The Markdown section of a report for an :func:`endpoints` result (with the
+    optional ``split_half`` and ``spread`` entries a population report adds)."""
+    p = study["protocol"]
+    lines = [
+        f"# Pre-registered endpoints: {study['population']}",
+        "",
+        f"{study['n_models']} models kept, {study['n_excluded']} excluded (training error "
+        f"above {p['max_train_error']:g}). Sharpness on {study['n_points']} training points "
+        f"in batches of {study['batch_size']}, {study['n_iters']} Auto-PGD steps from "
+        f"{study['starts']}. Every measure at its calibrated radius: the grid radius whose "
+        f"median loss increase over the models is closest (log scale) to "
+        f"{p['target']:g}. Kendall tau-b with the error gap; 95% percentile bootstrap "
+        f"intervals over models ({p['n_boot']} resamples).",
+        "",
+        "| measure | calibrated rho | median loss increase | median s(2rho)/s(rho) "
+        "| tau with the gap | partial tau given training loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, e in study["measures"].items():
+        ratio = "n/a" if e["median_ratio_2rho"] is None else f"{e['median_ratio_2rho']:.2f}"
+        lines.append(
+            f"| {m} | {e['rho']:.4g} | {e['median_loss_increase']:.4g} | {ratio} "
+            f"| {_ci(e['tau'], e['ci'])} | {e['partial_tau_given_train_loss']:+.2f} |"
+        )
+    lines += [
+        "",
+        "## Primary endpoint: paired difference with the reference measure",
+        "",
+        "Paired bootstrap over models, the calibrated radius re-selected in every resample.",
+        "",
+        "| difference | tau | abs(tau) |",
+        "|---|---|---|",
+    ]
+    for name, d in study["differences"].items():
+        lines.append(
+            f"| {name} | {_ci(d['tau_diff'], d['ci'])} | {_ci(d['abs_tau_diff'], d['abs_ci'])} |"
+        )
+    if study.get("differences_by_factor"):
+        lines += ["", "Secondary: the same difference at every grid position.", ""]
+        lines += ["| difference | radii | tau |", "|---|---|---|"]
+        for name, by in study["differences_by_factor"].items():
+            for radii, d in by.items():
+                lines.append(f"| {name} | {radii} | {_ci(d['tau_diff'], d['ci'])} |")
+    lines += ["", "## Trivial baselines", "", "| baseline | tau with the gap |", "|---|---|"]
+    for name, b in study["baselines"].items():
+        lines.append(f"| {name} | {_ci(b['tau'], b['ci'])} |")
+    if study.get("split_half"):
+        lines += [
+            "",
+            "## Split-half reliability (the two measurement batches, calibrated radius)",
+            "",
+            "| measure | tau between halves | Pearson r | Spearman-Brown |",
+            "|---|---|---|---|",
+        ]
+        for m, h in study["split_half"].items():
+            lines.append(
+                f"| {m} | {h['tau']:+.2f} | {h['pearson']:+.3f} | {h['spearman_brown']:+.3f} |"
+            )
+    if study.get("spread"):
+        lines += ["", "## Spread over the kept models", "", "| | mean | sd | min | max |"]
+        lines.append("|---|---|---|---|---|")
+        for column, v in study["spread"].items():
+            lines.append(
+                f"| {column} | {v['mean']:.4f} | {v['sd']:.4f} | {v['min']:.4f} | {v['max']:.4f} |"
+            )
+    if study["excluded"]:
+        lines += [
+            "",
+            "Excluded: " + "; ".join(f"{e['id']} ({e['reason']})" for e in study["excluded"]),
+        ]
+    if curves_png:
+        lines += ["", f"![tau against the median loss increase]({curves_png})"]
+    return "\n".join(lines) + "\n"

@@ -172,13 +172,13 @@ def run(args) -> int:
     hp = dict(zoo.SEED_RECIPE, seed=args.seed, id=f"pilot-{args.seed}")
     start = time.time()
     model, metrics = zoo.train_one(hp, "text", 2000)
-    ids, mask, y = zoo.text_train_set(hp)
+    task = zoo.task_for("text")
     n = args.n_points
-    batches = [zoo._text_batch(ids[:n], mask[:n], y[:n])]
+    batches = task.batches(task.train_set(hp), n, n)
     # the 11.7M-row word-embedding table is left unperturbed, as in the text zoos
     frozen = {"bert.embeddings.word_embeddings.weight"}
     params = [name for name, _ in model.named_parameters() if name not in frozen]
-    loss = zoo.loss_fn_for("text")
+    loss = task.loss
     record = dict(hyperparameters=hp, metrics=metrics, n_points=n, unperturbed=sorted(frozen))
     record["radius_pilot"] = radius_pilot(
         model, batches, loss, args.measures, args.factors, args.n_iters, parameters=params

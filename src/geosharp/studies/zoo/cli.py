@@ -1,0 +1,88 @@
+"""``geosharp zoo``: the command line of the zoos."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ... import distributed as gd
+from ..figures import require_matplotlib
+from .measure import measure_zoo
+from .presets import PRESETS, ZOOS, get_preset
+from .report import report_zoo
+from .store import check_preset
+from .train import train_zoo
+
+DESCRIPTION = (
+    "Model zoos (vision: ViTs on Fashion-MNIST, text: MiniLM on Rotten Tomatoes): train, "
+    "measure and report; every step resumes where a killed run stopped."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The zoo's command-line options (``geosharp zoo --help``)."""
+    from ...options import add_device, positive_float, positive_int
+
+    p.add_argument("action", choices=("train", "measure", "report", "all"))
+    p.add_argument("--zoo", choices=ZOOS, default="vision", help="vision or text (vision)")
+    p.add_argument(
+        "--preset",
+        choices=sorted({name for _, name in PRESETS}),
+        default="smoke",
+        help="smoke, full, or seeds (text only: the seed population); (smoke)",
+    )
+    p.add_argument("--out", default="runs/zoo", help="results directory (runs/zoo)")
+    p.add_argument("--n-models", type=positive_int, help="override the preset's number of models")
+    p.add_argument("--target", type=positive_float, help="calibration target median loss increase")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
+    add_device(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress reports")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ...options import Parser
+
+    p = Parser(prog="geosharp zoo", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the zoo action for parsed options; settings are checked before any work."""
+
+    from ...options import check_device
+
+    preset = get_preset(args.zoo, args.preset)
+    if args.n_models is not None:
+        preset = dataclasses.replace(preset, n_models=args.n_models)
+    device = check_device(args.device)
+    check_preset(preset, args.out)
+    if args.action in ("report", "all"):
+        require_matplotlib()  # the report's figures; before hours of training
+    torch.set_num_threads(max(1, args.threads))
+    rank, world = gd.init()  # under torchrun every rank takes its share of the models
+    who = f"[rank {rank}/{world}] " if world > 1 else ""
+    progress = not args.no_progress and rank == 0
+    if args.action in ("train", "all"):
+        ids = train_zoo(preset, args.out, progress=progress, device=device)
+        print(f"{who}trained {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'models'}")
+        gd.barrier()
+    if args.action in ("measure", "all"):
+        ids = measure_zoo(preset, args.out, progress=progress, device=device)
+        print(f"{who}measured {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'measures'}")
+        gd.barrier()
+    if args.action in ("report", "all") and rank == 0:
+        summary = report_zoo(
+            preset, args.out, target=args.target, population=f"{args.zoo}/{args.preset}"
+        )
+        path = Path(args.out) / preset.zoo / "report" / "report.md"
+        print(f"report of {summary['n_models']} models: {path}")
+    return 0

@@ -1,0 +1,188 @@
+"""Measurement: every trained model at every (measure, radius) of its preset, with
+the trivial baselines beside it; results are written as they come."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ...data import move_batch
+from ...io import write_json_atomic
+from .presets import ZooPreset, sample_hyperparameters
+from .store import model_complete, my_share, read_json, zoo_dir
+from .tasks import task_for
+
+__all__ = ["measure_grid", "measure_zoo", "measurement_batches", "model_baselines"]
+
+
+def measurement_batches(preset: ZooPreset, hp: dict) -> list:
+    """The fixed training points (the first ``n_points`` of the pool, a prefix of every
+    model's training set), with the labels that model was trained on, in batches."""
+    task = task_for(preset.zoo)
+    return task.batches(task.train_set(hp), preset.measure_batch, preset.n_points)
+
+
+def model_baselines(preset: ZooPreset, hp: dict, model, device=None) -> dict:
+    """The trivial predictors a measure must beat, for one model:
+
+    * ``grad_norm``: ``||grad L||_2`` of the mean loss over the whole training set
+      (without augmentation);
+    * ``weight_norm``: ``||theta||_2`` over every parameter;
+    * ``distance_from_init``: ``||theta - theta_0||_2`` from the model's own starting
+      point (the pre-trained encoder and its seeded head for text, the seeded
+      initialisation for vision), which the task rebuilds exactly from ``hp``;
+    * ``measure_loss``: the mean loss on the measurement points.
+    """
+    task = task_for(preset.zoo)
+
+    def weighted(batches):
+        n = sum(len(task.labels(b)) for b in batches)
+        for b in batches:
+            yield move_batch(b, device), len(task.labels(b)) / n
+
+    params = dict(model.named_parameters())
+    model.zero_grad(set_to_none=True)
+    for batch, w in weighted(task.batches(task.train_set(hp), preset.measure_batch)):
+        (task.loss(model, batch) * w).backward()
+    grad_sq = sum(
+        float(p.grad.double().square().sum()) for p in params.values() if p.grad is not None
+    )
+    model.zero_grad(set_to_none=True)
+    start = dict(task.build_model(hp).named_parameters())
+    with torch.no_grad():
+        weight_sq = sum(float(p.double().square().sum()) for p in params.values())
+        dist_sq = sum(
+            float((p.double().cpu() - start[name].double()).square().sum())
+            for name, p in params.items()
+        )
+        loss = sum(
+            float(task.loss(model, b)) * w for b, w in weighted(measurement_batches(preset, hp))
+        )
+    return dict(
+        grad_norm=grad_sq**0.5,
+        weight_norm=weight_sq**0.5,
+        distance_from_init=dist_sq**0.5,
+        measure_loss=loss,
+    )
+
+
+def _measured(record: dict, preset: ZooPreset) -> bool:
+    return bool(record.get("complete")) and (not preset.baselines or "baselines" in record)
+
+
+def measure_zoo(
+    preset: ZooPreset,
+    out: str | Path,
+    progress: bool = True,
+    on_model_done: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+) -> list[str]:
+    """Measure every trained model at every (measure, radius) of the preset, and its
+    baselines (:func:`model_baselines`) when the preset asks for them.
+
+    ``measures/<id>.json`` is rewritten atomically after the baselines and after each
+    (measure, radius), so a killed run loses at most one of them, and is marked
+    ``complete`` at the end."""
+    from ...progress import Progress
+    from ...vocabulary import compact_vocabulary
+
+    task = task_for(preset.zoo)
+    zdir = zoo_dir(out, preset)
+    mdir = zdir / "measures"
+    mdir.mkdir(parents=True, exist_ok=True)
+    done_ids = []
+    hps = my_share(
+        [
+            hp
+            for hp in sample_hyperparameters(preset)
+            if model_complete(zdir / "models" / hp["id"])
+            and not _measured(read_json(mdir / f"{hp['id']}.json"), preset)
+        ]
+    )
+    bar = Progress(hps, desc=f"measure {preset.zoo}", unit="model", enabled=progress)
+    for hp in bar:
+        path = mdir / f"{hp['id']}.json"
+        record = read_json(path)
+        record.setdefault("id", hp["id"])
+        record.setdefault("n_points", preset.n_points)
+        record.setdefault("batch_size", preset.measure_batch)
+        record.setdefault("n_iters", preset.n_iters)
+        model = task.load_model(zdir / "models" / hp["id"]).to(device or "cpu")
+        if preset.baselines and "baselines" not in record:
+            record["baselines"] = model_baselines(preset, hp, model, device=device)
+            write_json_atomic(path, record)
+        batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
+        perturbed = None
+        if preset.frozen_in_measure:
+            frozen = set(preset.frozen_in_measure)
+            perturbed = [n for n, _ in model.named_parameters() if n not in frozen]
+            record.setdefault("unperturbed_parameters", sorted(frozen))
+        grid = {name: preset.rho_grid(name) for name in preset.measures}
+        with contextlib.ExitStack() as stack:
+            if preset.measure_vocabulary == "batch":
+                batches = stack.enter_context(compact_vocabulary(model, batches, task.embedding))
+                record.setdefault(
+                    "embedding_rows", model.get_submodule(task.embedding).num_embeddings
+                )
+            measure_grid(
+                record,
+                path,
+                model,
+                batches,
+                task.loss,
+                grid,
+                n_iters=preset.n_iters,
+                seed=preset.seed,
+                parameters=perturbed,
+            )
+        done_ids.append(hp["id"])
+        if on_model_done is not None:
+            on_model_done(hp["id"])
+    return done_ids
+
+
+def measure_grid(
+    record: dict,
+    path: Path,
+    model,
+    batches,
+    loss_fn,
+    grid: dict[str, Sequence[float]],
+    n_iters: int,
+    seed: int,
+    **sharpness_kwargs,
+) -> dict:
+    """Fill ``record["measures"][measure][repr(rho)]`` (value, per-batch values, loss,
+    per-batch losses) for every ``(measure, rho)`` of ``grid`` not in it yet, rewriting
+    ``path`` atomically after each; then mark the record ``complete``."""
+    from ...measures import sharpness
+
+    results = record.setdefault("measures", {})
+    for name, radii in grid.items():
+        per_rho = results.setdefault(name, {})
+        for rho in radii:
+            if repr(rho) in per_rho:
+                continue
+            res = sharpness(
+                model,
+                batches,
+                loss_fn,
+                measure=name,
+                rho=rho,
+                n_iters=n_iters,
+                seed=seed,
+                **sharpness_kwargs,
+            )
+            per_rho[repr(rho)] = dict(
+                value=res.value,
+                per_batch=list(res.per_batch),
+                loss=res.loss,
+                per_batch_loss=list(res.per_batch_loss),
+            )
+            write_json_atomic(path, record)
+    record["complete"] = True
+    write_json_atomic(path, record)
+    return record

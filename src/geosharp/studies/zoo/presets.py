@@ -1,0 +1,249 @@
+"""The presets: every setting that defines a zoo, one table of them.
+
+A :class:`ZooPreset` fixes the hyperparameter axes, data sizes and the measurement
+protocol (points, steps, measures, radius grids, the calibration target of the primary
+endpoint); ``PRESETS`` is the one table the command line, the docs and the tests read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...errors import UsageError
+
+__all__ = [
+    "ALL_MEASURES",
+    "MAIN_MEASURES",
+    "PRESETS",
+    "SEED_RECIPE",
+    "ZOOS",
+    "ZooPreset",
+    "get_preset",
+    "sample_hyperparameters",
+]
+
+ZOOS = ("vision", "text")
+
+MAIN_MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
+ALL_MEASURES = (
+    "adaptive",
+    "adaptive-linf",
+    "geodesic-inv",
+    "geodesic-mix",
+    "geodesic-norm-only-inv",
+    "geodesic-norm-only-mix",
+    "geodesic-curvature-only-inv",
+    "geodesic-curvature-only-mix",
+)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@dataclass
+class ZooPreset:
+    """Everything that defines a zoo: hyperparameter axes, data sizes, measurement."""
+
+    zoo: str
+    n_models: int
+    axes: dict[str, list]  # axis -> choices; each model draws one per axis
+    fixed: dict = field(default_factory=dict)  # settings shared by all models
+    n_test: int = 1000
+    n_points: int = 256  # fixed training points for sharpness (same for every model)
+    measure_batch: int = 64
+    n_iters: int = 20
+    measures: tuple[str, ...] = ALL_MEASURES
+    # radii as multiples of DEFAULT_RHO: one grid for all measures, or {measure: grid}
+    rho_factors: tuple[float, ...] | dict[str, tuple[float, ...]] = (0.25, 0.5, 1.0, 2.0, 4.0)
+    n_boot: int = 1000
+    seed: int = 0
+    # parameters left unperturbed by every measure (the text zoos: MiniLM's 11.7M-entry
+    # word-embedding table, which dominates the cost and only sees the batch's tokens)
+    frozen_in_measure: tuple[str, ...] = ()
+    # "batch": perturb the word-embedding rows of the measurement batches' tokens
+    # (geosharp.vocabulary.compact_vocabulary: exact, and cheap); "full": the whole table
+    measure_vocabulary: str = "full"
+    # per-model baselines next to the measures: full-batch gradient norm, weight norm,
+    # distance from the pre-trained weights, loss on the measurement points
+    baselines: bool = False
+    # the calibration target (median loss increase) of the primary endpoint, fixed
+    # before any gap is seen; None: the zoo has no pre-registered endpoint
+    target: float | None = None
+    # the inclusion rule of that endpoint: models above this training error are excluded
+    max_train_error: float = 0.05
+
+    def rho_grid(self, measure: str) -> list[float]:
+        from ...measures import DEFAULT_RHO
+
+        factors = self.rho_factors
+        if isinstance(factors, dict):
+            factors = factors[measure]
+        return [float(DEFAULT_RHO[measure] * f) for f in factors]
+
+
+VISION_FULL = ZooPreset(
+    zoo="vision",
+    n_models=48,
+    axes=dict(
+        lr=[1e-4, 3e-4, 1e-3, 3e-3],
+        weight_decay=[0.0, 0.01, 0.1, 0.5],
+        batch_size=[32, 64, 128, 256],
+        arch=["32x1", "32x2", "64x2", "64x4"],  # hidden width x layers
+        n_train=[500, 1000, 2000, 5000],
+        label_noise=[0.0, 0.1, 0.25],
+        augment=["none", "shift", "shift+flip"],
+    ),
+    fixed=dict(epochs=30, heads=4, patch_size=7),
+    n_test=2000,
+    n_points=512,
+    measure_batch=128,
+    n_iters=10,
+)
+VISION_SMOKE = ZooPreset(
+    zoo="vision",
+    n_models=4,
+    axes=dict(
+        lr=[1e-3, 3e-3],
+        weight_decay=[0.0, 0.1],
+        batch_size=[16, 32],
+        arch=["8x1", "16x1"],
+        n_train=[64, 96],
+        label_noise=[0.0, 0.2],
+        augment=["none", "shift+flip"],
+    ),
+    fixed=dict(epochs=2, heads=2, patch_size=7),
+    n_test=64,
+    n_points=32,
+    measure_batch=16,
+    n_iters=2,
+    measures=ALL_MEASURES,
+    rho_factors=(0.5, 2.0),
+    n_boot=100,
+)
+TEXT_FULL = ZooPreset(
+    zoo="text",
+    n_models=36,
+    axes=dict(
+        lr=[1e-5, 3e-5, 1e-4, 3e-4],
+        epochs=[1, 2, 4],
+        batch_size=[16, 32, 64],
+        n_train=[500, 1000, 2000, 4000],
+        label_noise=[0.0, 0.1, 0.25],
+        freeze_embeddings=[False, True],
+    ),
+    # one encoder layer and 32 tokens (70% of the sentences fit): a forward+backward of
+    # MiniLM is compute bound on a CPU, and this keeps the zoo to about two CPU hours
+    fixed=dict(max_length=32, weight_decay=0.01, layers=1),
+    frozen_in_measure=("bert.embeddings.word_embeddings.weight",),
+    n_test=1000,
+    n_points=64,
+    measure_batch=32,
+    n_iters=10,
+    rho_factors=(0.25, 1.0, 4.0),
+)
+TEXT_SMOKE = ZooPreset(
+    zoo="text",
+    n_models=4,
+    axes=dict(
+        lr=[3e-5, 3e-4],
+        epochs=[1],
+        batch_size=[16, 32],
+        n_train=[48, 64],
+        label_noise=[0.0, 0.2],
+        freeze_embeddings=[False, True],
+        layers=[1],
+    ),
+    fixed=dict(max_length=24, weight_decay=0.01),
+    frozen_in_measure=("bert.embeddings.word_embeddings.weight",),
+    n_test=48,
+    n_points=8,
+    measure_batch=8,
+    n_iters=2,
+    measures=(
+        "adaptive",
+        "adaptive-linf",
+        "geodesic-inv",
+        "geodesic-mix",
+        "geodesic-norm-only-inv",
+        "geodesic-curvature-only-inv",
+    ),
+    rho_factors=(0.5, 2.0),
+    n_boot=100,
+)
+# The recipe of the seed population (MiniLM-L6, all 6 layers, mean pooling and a
+# linear head, Rotten Tomatoes): one fixed training set and recipe, only the seed varies.
+SEED_RECIPE = dict(
+    lr=5e-5,
+    epochs=5,
+    batch_size=32,
+    n_train=1000,
+    label_noise=0.0,
+    freeze_embeddings=False,
+    layers=6,
+    max_length=32,
+    weight_decay=0.01,
+)
+# The seed population (issue 10): MiniLM-L6 fine-tunes that differ only in their seed
+# (pilot.SEED_RECIPE: one training set, no label noise, converged to ~0.5% training error).
+# Radii fixed by the two pilot models before any gap was seen (docs/results/study/pilot):
+# s(2 rho)/s(rho) first reaches 3 at x4-x8 for adaptive and mix, and at x1 for inv.
+TEXT_SEEDS = ZooPreset(
+    zoo="text",
+    n_models=40,
+    axes={},
+    fixed={k: v for k, v in SEED_RECIPE.items()},
+    measure_vocabulary="batch",
+    baselines=True,
+    # the pilot's loss increases at the ratio-rule radii (adaptive and mix x8: 0.07-0.09,
+    # inv x1: 0.16-0.21), fixed before the population was measured
+    target=0.1,
+    n_test=2000,
+    n_points=128,
+    measure_batch=64,
+    n_iters=20,
+    measures=MAIN_MEASURES,
+    rho_factors={
+        "adaptive": (2.0, 4.0, 8.0, 16.0),
+        "geodesic-mix": (2.0, 4.0, 8.0, 16.0),
+        "geodesic-inv": (0.125, 0.25, 0.5, 1.0),
+    },
+    seed=1,
+)
+PRESETS: dict[tuple[str, str], ZooPreset] = {
+    ("vision", "full"): VISION_FULL,
+    ("vision", "smoke"): VISION_SMOKE,
+    ("text", "full"): TEXT_FULL,
+    ("text", "smoke"): TEXT_SMOKE,
+    ("text", "seeds"): TEXT_SEEDS,
+}
+
+
+def get_preset(zoo: str, preset: str) -> ZooPreset:
+    try:
+        return PRESETS[(zoo, preset)]
+    except KeyError:
+        known = ", ".join(f"{z}/{p}" for z, p in PRESETS)
+        raise UsageError(f"no preset {preset!r} for the {zoo} zoo: choose one of {known}") from None
+
+
+def sample_hyperparameters(preset: ZooPreset) -> list[dict]:
+    """One hyperparameter dict per model, drawn deterministically from ``preset.seed``.
+
+    Model ``i`` draws each axis uniformly from its choices with the generator seeded by
+    ``(seed, i)``, so adding models never changes the earlier ones."""
+    out = []
+    for i in range(preset.n_models):
+        rng = np.random.default_rng([preset.seed, i])
+        hp = {
+            axis: choices[int(rng.integers(len(choices)))] for axis, choices in preset.axes.items()
+        }
+        for k, v in hp.items():
+            if isinstance(v, np.generic):
+                hp[k] = v.item()
+        hp.update(preset.fixed)
+        hp["seed"] = int(preset.seed * 1000 + i)
+        hp["id"] = f"{preset.zoo}-{i:03d}"
+        out.append(hp)
+    return out
