@@ -284,10 +284,14 @@ def _endpoint_preset():
         max_train_error=1.0,  # smoke models are not converged
         n_points=16,
         measure_batch=8,
+        primary={"adaptive": 2.0, "geodesic-inv": 0.5, "geodesic-mix": 2.0},
+        secondary={"geodesic-norm-only-inv": "geodesic-inv", "adaptive-attn": "adaptive"},
+        average_case=("geodesic-mix",),
     )
 
 
 def test_endpoint_population_end_to_end(tmp_path):
+    from geosharp.measures import DEFAULT_RHO
     from geosharp.studies.zoo.report import endpoint_study, rows_from_table
 
     preset = _endpoint_preset()
@@ -315,6 +319,12 @@ def test_endpoint_population_end_to_end(tmp_path):
     }
     assert {"grad_norm", "train_loss", "distance_from_init"} <= set(study["baselines"])
     assert set(study["split_half"]) == set(zoo.MAIN_MEASURES)
+    assert set(study["secondary"]) == {
+        "geodesic-norm-only-inv",
+        "adaptive-attn",
+        "geodesic-mix/average",
+    }
+    assert study["secondary"]["adaptive-attn"]["rho"] == 2.0 * DEFAULT_RHO["adaptive"]
     # every value recomputes from models.csv
     again = endpoint_study(preset, rows_from_table((rdir / "models.csv").read_text()), "text/test")
     assert json.loads(json.dumps(again)) == study
@@ -337,3 +347,27 @@ def test_baselines_of_an_untrained_model():
     task.loss(model, (x, y)).backward()
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
     assert out["grad_norm"] == pytest.approx(float(grad), rel=1e-5)
+
+
+def test_measurement_passes_main_grid_first(tmp_path):
+    """The seed preset measures its grid first, then the secondary measures at the
+    primary radii; a record complete for the first pass is resumed by the second."""
+    preset = zoo.get_preset("text", "seeds")
+    main, second = preset.passes()
+    assert sum(len(r) for r in main.values()) == 12
+    assert second["geodesic-curvature-only-inv"] == [preset.primary_rho("geodesic-inv")]
+    assert second["geodesic-mix/average"] == [preset.primary_rho("geodesic-mix")]
+    assert preset.primary_rho("geodesic-inv") in main["geodesic-inv"]  # on the grid
+    small = dataclasses.replace(
+        _endpoint_preset(), n_models=2, secondary={}, average_case=(), target=None
+    )
+    zoo.train_zoo(small, tmp_path, progress=False)
+    zoo.measure_zoo(small, tmp_path, progress=False)
+    record = json.loads((tmp_path / "text" / "measures" / "text-000.json").read_text())
+    assert record["complete"] and "adaptive-attn" not in record["measures"]
+    more = dataclasses.replace(small, secondary={"adaptive-attn": "adaptive"})
+    (tmp_path / "text" / "preset.json").unlink()  # the same zoo, one more measure
+    assert zoo.measure_zoo(more, tmp_path, progress=False) == ["text-000", "text-001"]
+    again = json.loads((tmp_path / "text" / "measures" / "text-000.json").read_text())
+    assert again["measures"]["adaptive"] == record["measures"]["adaptive"]
+    assert list(again["measures"]["adaptive-attn"]) == [repr(more.primary_rho("adaptive"))]

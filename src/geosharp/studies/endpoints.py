@@ -280,6 +280,25 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
     lines += ["", "## Trivial baselines", "", "| baseline | tau with the gap |", "|---|---|"]
     for name, b in study["baselines"].items():
         lines.append(f"| {name} | {_ci(b['tau'], b['ci'])} |")
+    if study.get("secondary"):
+        lines += [
+            "",
+            "## Secondary measures at the primary radius of their main measure",
+            "",
+            "Ablations keep one of the geodesic measure's two terms, attention-only "
+            "variants perturb the query/key/value/output pairs only, average cases "
+            "replace the worst case by the mean over random directions.",
+            "",
+            "| measure | main measure | rho | tau with the gap | tau(main) - tau(this) "
+            "| median value / main's |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, e in study["secondary"].items():
+            d = e["main_minus_this"]
+            lines.append(
+                f"| {name} | {e['main']} | {e['rho']:.4g} | {_ci(e['tau'], e['ci'])} "
+                f"| {_ci(d['tau_diff'], d['ci'])} | {e['median_value_ratio']:.3g} |"
+            )
     if study.get("split_half"):
         lines += [
             "",

@@ -12,7 +12,7 @@ import torch
 from ...data import move_batch
 from ...io import write_json_atomic
 from .presets import ZooPreset, sample_hyperparameters
-from .store import model_complete, my_share, read_json, zoo_dir
+from .store import missing, model_complete, my_share, read_json, zoo_dir
 from .tasks import task_for
 
 __all__ = ["measure_grid", "measure_zoo", "measurement_batches", "model_baselines"]
@@ -70,7 +70,9 @@ def model_baselines(preset: ZooPreset, hp: dict, model, device=None) -> dict:
 
 
 def _measured(record: dict, preset: ZooPreset) -> bool:
-    return bool(record.get("complete")) and (not preset.baselines or "baselines" in record)
+    if preset.baselines and "baselines" not in record:
+        return False
+    return not any(missing(record, grid) for grid in preset.passes())
 
 
 def measure_zoo(
@@ -83,18 +85,18 @@ def measure_zoo(
     """Measure every trained model at every (measure, radius) of the preset, and its
     baselines (:func:`model_baselines`) when the preset asks for them.
 
-    ``measures/<id>.json`` is rewritten atomically after the baselines and after each
-    (measure, radius), so a killed run loses at most one of them, and is marked
-    ``complete`` at the end."""
+    The measurements go in the preset's passes (:meth:`ZooPreset.passes`): the main grid
+    for every model first, then the secondary measures at the primary radii, so the
+    primary endpoint is complete first. ``measures/<id>.json`` is rewritten atomically
+    after the baselines and after each (measure, radius), so a killed run loses at most
+    one of them; a record is marked ``complete`` once every pass is in it. Returns the
+    ids of the models measured to completion by this call."""
     from ...progress import Progress
-    from ...vocabulary import compact_vocabulary
 
-    task = task_for(preset.zoo)
     zdir = zoo_dir(out, preset)
     mdir = zdir / "measures"
     mdir.mkdir(parents=True, exist_ok=True)
-    done_ids = []
-    hps = my_share(
+    pending = my_share(
         [
             hp
             for hp in sample_hyperparameters(preset)
@@ -102,46 +104,60 @@ def measure_zoo(
             and not _measured(read_json(mdir / f"{hp['id']}.json"), preset)
         ]
     )
-    bar = Progress(hps, desc=f"measure {preset.zoo}", unit="model", enabled=progress)
-    for hp in bar:
+    passes = preset.passes()
+    for i, grid in enumerate(passes):
+        todo = [hp for hp in pending if missing(read_json(mdir / f"{hp['id']}.json"), grid)]
+        desc = f"measure {preset.zoo}" + (f" ({i + 1}/{len(passes)})" if len(passes) > 1 else "")
+        for hp in Progress(todo, desc=desc, unit="model", enabled=progress):
+            _measure_one(preset, hp, mdir / f"{hp['id']}.json", zdir, grid, device)
+    done_ids = []
+    for hp in pending:
         path = mdir / f"{hp['id']}.json"
         record = read_json(path)
-        record.setdefault("id", hp["id"])
-        record.setdefault("n_points", preset.n_points)
-        record.setdefault("batch_size", preset.measure_batch)
-        record.setdefault("n_iters", preset.n_iters)
-        model = task.load_model(zdir / "models" / hp["id"]).to(device or "cpu")
-        if preset.baselines and "baselines" not in record:
-            record["baselines"] = model_baselines(preset, hp, model, device=device)
+        if not record.get("complete"):
+            record["complete"] = True
             write_json_atomic(path, record)
-        batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
-        perturbed = None
-        if preset.frozen_in_measure:
-            frozen = set(preset.frozen_in_measure)
-            perturbed = [n for n, _ in model.named_parameters() if n not in frozen]
-            record.setdefault("unperturbed_parameters", sorted(frozen))
-        grid = {name: preset.rho_grid(name) for name in preset.measures}
-        with contextlib.ExitStack() as stack:
-            if preset.measure_vocabulary == "batch":
-                batches = stack.enter_context(compact_vocabulary(model, batches, task.embedding))
-                record.setdefault(
-                    "embedding_rows", model.get_submodule(task.embedding).num_embeddings
-                )
-            measure_grid(
-                record,
-                path,
-                model,
-                batches,
-                task.loss,
-                grid,
-                n_iters=preset.n_iters,
-                seed=preset.seed,
-                parameters=perturbed,
-            )
         done_ids.append(hp["id"])
         if on_model_done is not None:
             on_model_done(hp["id"])
     return done_ids
+
+
+def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict, device) -> None:
+    from ...vocabulary import compact_vocabulary
+
+    task = task_for(preset.zoo)
+    record = read_json(path)
+    record.setdefault("id", hp["id"])
+    record.setdefault("n_points", preset.n_points)
+    record.setdefault("batch_size", preset.measure_batch)
+    record.setdefault("n_iters", preset.n_iters)
+    model = task.load_model(zdir / "models" / hp["id"]).to(device or "cpu")
+    if preset.baselines and "baselines" not in record:
+        record["baselines"] = model_baselines(preset, hp, model, device=device)
+        write_json_atomic(path, record)
+    batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
+    kwargs = {}
+    if preset.frozen_in_measure:
+        frozen = set(preset.frozen_in_measure)
+        kwargs["parameters"] = [n for n, _ in model.named_parameters() if n not in frozen]
+        record.setdefault("unperturbed_parameters", sorted(frozen))
+    with contextlib.ExitStack() as stack:
+        if preset.measure_vocabulary == "batch":
+            batches = stack.enter_context(compact_vocabulary(model, batches, task.embedding))
+            record.setdefault("embedding_rows", model.get_submodule(task.embedding).num_embeddings)
+        measure_grid(
+            record,
+            path,
+            model,
+            batches,
+            task.loss,
+            grid,
+            n_iters=preset.n_iters,
+            seed=preset.seed,
+            complete=False,
+            **kwargs,
+        )
 
 
 def measure_grid(
@@ -153,16 +169,22 @@ def measure_grid(
     grid: dict[str, Sequence[float]],
     n_iters: int,
     seed: int,
+    complete: bool = True,
     **sharpness_kwargs,
 ) -> dict:
-    """Fill ``record["measures"][measure][repr(rho)]`` (value, per-batch values, loss,
-    per-batch losses) for every ``(measure, rho)`` of ``grid`` not in it yet, rewriting
-    ``path`` atomically after each; then mark the record ``complete``."""
-    from ...measures import sharpness
+    """Fill ``record["measures"][key][repr(rho)]`` (value, per-batch values, loss,
+    per-batch losses) for every ``(key, rho)`` of ``grid`` not in it yet, rewriting
+    ``path`` atomically after each; then (``complete``) mark the record complete.
+
+    A key is a measure's name (worst case, ``n_iters`` Auto-PGD steps) or
+    ``"<name>/average"`` (its average case, :class:`~geosharp.AverageCase`)."""
+    from ...measures import AverageCase, WorstCase, sharpness
 
     results = record.setdefault("measures", {})
-    for name, radii in grid.items():
-        per_rho = results.setdefault(name, {})
+    for key, radii in grid.items():
+        per_rho = results.setdefault(key, {})
+        name, _, kind = key.partition("/")
+        estimator = AverageCase() if kind == "average" else WorstCase(n_iters)
         for rho in radii:
             if repr(rho) in per_rho:
                 continue
@@ -172,7 +194,7 @@ def measure_grid(
                 loss_fn,
                 measure=name,
                 rho=rho,
-                n_iters=n_iters,
+                estimator=estimator,
                 seed=seed,
                 **sharpness_kwargs,
             )
@@ -183,6 +205,7 @@ def measure_grid(
                 per_batch_loss=list(res.per_batch_loss),
             )
             write_json_atomic(path, record)
-    record["complete"] = True
-    write_json_atomic(path, record)
+    if complete:
+        record["complete"] = True
+        write_json_atomic(path, record)
     return record

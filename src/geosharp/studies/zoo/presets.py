@@ -74,6 +74,29 @@ class ZooPreset:
     # the inclusion rule of that endpoint: models above this training error are excluded
     max_train_error: float = 0.05
 
+    # the radius of each main measure fixed by the pilot's ratio rule, as a multiple of
+    # its default: where the secondary measures are taken
+    primary: dict[str, float] = field(default_factory=dict)
+    # secondary measure -> the main measure at whose primary radius it is measured (the
+    # ablations and attention-only variants: the same radius as the full measure)
+    secondary: dict[str, str] = field(default_factory=dict)
+    # main measures also measured in the average case at their primary radius
+    average_case: tuple[str, ...] = ()
+
+    def primary_rho(self, measure: str) -> float:
+        from ...measures import DEFAULT_RHO
+
+        return float(DEFAULT_RHO[measure] * self.primary[measure])
+
+    def passes(self) -> list[dict[str, list[float]]]:
+        """The measurement's passes, each ``{key: radii}`` (keys as in
+        :func:`~geosharp.studies.zoo.measure.measure_grid`): the main grid, then the
+        secondary measures and average cases, if any, at the primary radii."""
+        main = {name: self.rho_grid(name) for name in self.measures}
+        second = {name: [self.primary_rho(base)] for name, base in self.secondary.items()}
+        second |= {f"{name}/average": [self.primary_rho(name)] for name in self.average_case}
+        return [main, second] if second else [main]
+
     def rho_grid(self, measure: str) -> list[float]:
         from ...measures import DEFAULT_RHO
 
@@ -199,6 +222,17 @@ TEXT_SEEDS = ZooPreset(
     # the pilot's loss increases at the ratio-rule radii (adaptive and mix x8: 0.07-0.09,
     # inv x1: 0.16-0.21), fixed before the population was measured
     target=0.1,
+    primary={"adaptive": 8.0, "geodesic-mix": 8.0, "geodesic-inv": 1.0},
+    secondary={
+        "geodesic-norm-only-inv": "geodesic-inv",
+        "geodesic-curvature-only-inv": "geodesic-inv",
+        "geodesic-norm-only-mix": "geodesic-mix",
+        "geodesic-curvature-only-mix": "geodesic-mix",
+        "adaptive-attn": "adaptive",
+        "geodesic-inv-attn": "geodesic-inv",
+        "geodesic-mix-attn": "geodesic-mix",
+    },
+    average_case=MAIN_MEASURES,
     n_test=2000,
     n_points=128,
     measure_batch=64,

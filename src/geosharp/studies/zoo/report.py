@@ -15,14 +15,17 @@ from ...io import write_json_atomic, write_text_atomic
 from ...measures.catalog import PAPER_TABLE
 from ..endpoints import Protocol, endpoints, format_endpoints, plot_tau_curves, tau_curves
 from ..figures import require_matplotlib
-from ..stats import granulated_tau, split_half
+from ..stats import granulated_tau, kendall_tau_with_ci, split_half, tau_difference
 from .presets import MAIN_MEASURES, ZooPreset, sample_hyperparameters
-from .store import zoo_dir
+from .store import missing, zoo_dir
 from .tasks import task_for
 
 
 def _load_zoo(preset: ZooPreset, out: str | Path) -> tuple[list[dict], list[dict]]:
+    """The models whose main grid (and baselines, if the preset has them) is measured:
+    the primary endpoint is reported before the secondary pass is done."""
     zdir = zoo_dir(out, preset)
+    main = preset.passes()[0]
     metas, records = [], []
     for hp in sample_hyperparameters(preset):
         mpath = zdir / "models" / hp["id"] / "meta.json"
@@ -30,7 +33,7 @@ def _load_zoo(preset: ZooPreset, out: str | Path) -> tuple[list[dict], list[dict
         if not mpath.exists() or not rpath.exists():
             continue
         rec = json.loads(rpath.read_text())
-        if not rec.get("complete"):
+        if missing(rec, main) or (preset.baselines and "baselines" not in rec):
             continue
         metas.append(json.loads(mpath.read_text()))
         records.append(rec)
@@ -347,7 +350,13 @@ def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> s
     axes = list(preset.axes) + [k for k in preset.fixed if k not in preset.axes]
     metrics = ["train_error", "test_error", "train_loss", "test_loss", "error_gap", "loss_gap"]
     baselines = [k for k in BASELINE_KEYS if all(k in r.get("baselines", {}) for r in records)]
-    columns = [(name, repr(rho)) for name in preset.measures for rho in preset.rho_grid(name)]
+    columns = [
+        (key, repr(rho))
+        for grid in preset.passes()
+        if not any(missing(r, grid) for r in records)  # the secondary pass once complete
+        for key, radii in grid.items()
+        for rho in radii
+    ]
     n_batches = 0
     if preset.target is not None:
         n_batches = min(len(r["measures"][m][k]["per_batch"]) for r in records for m, k in columns)
@@ -430,4 +439,35 @@ def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict
         )
     study["spread"] = spread
     study["tau_curves"] = tau_curves(kept, preset.measures, n_boot=500)
+    study["secondary"] = secondary_study(preset, kept)
     return study
+
+
+def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
+    """Each secondary measure and average case at its main measure's primary radius:
+    tau with the gap, the paired difference ``tau(main) - tau(secondary)`` at that
+    radius (does the ablated term matter?) and the median ratio of their values. Empty
+    until every row has the secondary pass."""
+    if len(preset.passes()) < 2:
+        return {}
+    keys = dict(preset.secondary) | {f"{m}/average": m for m in preset.average_case}
+    if not all(key in r["measures"] for r in rows for key in keys):
+        return {}
+    gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
+    boot = dict(n_boot=2000, seed=preset.seed)
+    out = {}
+    for key, base in keys.items():
+        rho = preset.primary_rho(base)
+        v = np.array([r["measures"][key][rho] for r in rows], dtype=np.float64)
+        ref = np.array([r["measures"][base][rho] for r in rows], dtype=np.float64)
+        ci = kendall_tau_with_ci(v, gap, **boot)
+        diff = tau_difference(ref, v, gap, **boot)
+        out[key] = dict(
+            main=base,
+            rho=rho,
+            tau=ci.estimate,
+            ci=[ci.low, ci.high],
+            main_minus_this=dict(tau_diff=diff.estimate, ci=[diff.low, diff.high]),
+            median_value_ratio=float(np.median(v / ref)),
+        )
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,7 +13,15 @@ from ... import distributed as gd
 from ...errors import UsageError
 from .presets import ZooPreset
 
-__all__ = ["check_preset", "model_complete", "my_share", "read_json", "save_model", "zoo_dir"]
+__all__ = [
+    "check_preset",
+    "missing",
+    "model_complete",
+    "my_share",
+    "read_json",
+    "save_model",
+    "zoo_dir",
+]
 
 
 def zoo_dir(out: str | Path, preset: ZooPreset) -> Path:
@@ -31,6 +40,12 @@ def save_model(model, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     save_safetensors(model.cpu(), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def missing(record: dict, grid: dict[str, Sequence[float]]) -> bool:
+    """Whether ``record`` lacks any ``(key, rho)`` of ``grid``."""
+    done = record.get("measures", {})
+    return any(repr(rho) not in done.get(name, {}) for name, radii in grid.items() for rho in radii)
 
 
 def read_json(path: Path) -> dict:
