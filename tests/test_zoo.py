@@ -186,8 +186,8 @@ def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
     import geosharp.data
 
     monkeypatch.setattr(geosharp.data, "FASHION_MNIST_DIRS", (tmp_path,))
-    task = zoo.tasks.VisionTask()  # its own cache
-    xtr, ytr, _, yte, source = task.pool()
+    monkeypatch.setattr(zoo.tasks, "_VISION_CACHE", {})
+    xtr, ytr, _, yte, source = zoo.tasks.VisionTask().pool()
     yte = yte[:10]
     assert source.startswith("digits")
     assert xtr.shape[1:] == (1, 28, 28) and len(yte) == 10 and len(ytr) == len(xtr)

@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 from ... import distributed as gd
+from ...io import write_text_atomic
 from ..figures import require_matplotlib
 from .measure import measure_zoo
+from .pilot import format_pilot, pilot_zoo
 from .presets import PRESETS, ZOOS, get_preset
 from .report import report_zoo
 from .store import check_preset
@@ -27,14 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The zoo's command-line options (``geosharp zoo --help``)."""
     from ...options import add_device, positive_float, positive_int
 
-    p.add_argument("action", choices=("train", "measure", "report", "all"))
-    p.add_argument("--zoo", choices=ZOOS, default="vision", help="vision or text (vision)")
+    p.add_argument(
+        "action",
+        choices=("train", "measure", "report", "all", "pilot"),
+        help="pilot: train a few models drawn like the population's (not in it) and "
+        "record the linearity ratios and maximiser checks that fix the radii",
+    )
+    p.add_argument("--zoo", choices=ZOOS, default="vision", help=f"{', '.join(ZOOS)} (vision)")
     p.add_argument(
         "--preset",
         choices=sorted({name for _, name in PRESETS}),
         default="smoke",
         help="smoke, full, or seeds (text only: the seed population); (smoke)",
     )
+    p.add_argument("--pilot-models", type=positive_int, default=2, help="models in the pilot (2)")
     p.add_argument("--out", default="runs/zoo", help="results directory (runs/zoo)")
     p.add_argument("--n-models", type=positive_int, help="override the preset's number of models")
     p.add_argument("--target", type=positive_float, help="calibration target median loss increase")
@@ -79,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
         ids = measure_zoo(preset, args.out, progress=progress, device=device)
         print(f"{who}measured {len(ids)} model(s) in {Path(args.out) / preset.zoo / 'measures'}")
         gd.barrier()
+    if args.action == "pilot":
+        records = pilot_zoo(
+            preset, args.out, n_models=args.pilot_models, progress=progress, device=device
+        )
+        path = Path(args.out) / preset.zoo / "pilot" / "pilot.md"
+        if rank == 0:
+            write_text_atomic(path, format_pilot(records))
+            print(f"pilot of {len(records)} models: {path}")
     if args.action in ("report", "all") and rank == 0:
         summary = report_zoo(
             preset, args.out, target=args.target, population=f"{args.zoo}/{args.preset}"

@@ -14,6 +14,7 @@ from ...io import write_json_atomic
 from .presets import ZooPreset, sample_hyperparameters
 from .store import missing, model_complete, my_share, read_json, zoo_dir
 from .tasks import task_for
+from .train import prepare
 
 __all__ = ["measure_grid", "measure_zoo", "measurement_batches", "model_baselines"]
 
@@ -93,6 +94,7 @@ def measure_zoo(
     ids of the models measured to completion by this call."""
     from ...progress import Progress
 
+    prepare(preset, out, device=device)
     zdir = zoo_dir(out, preset)
     mdir = zdir / "measures"
     mdir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ __all__ = [
     "sample_hyperparameters",
 ]
 
-ZOOS = ("vision", "text")
+ZOOS = ("vision", "text", "vision-finetune")
 
 MAIN_MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
 ALL_MEASURES = (
@@ -82,6 +82,8 @@ class ZooPreset:
     secondary: dict[str, str] = field(default_factory=dict)
     # main measures also measured in the average case at their primary radius
     average_case: tuple[str, ...] = ()
+    # the recipe of the one pre-trained model every model starts from (tasks with one)
+    pretrain: dict = field(default_factory=dict)
 
     def primary_rho(self, measure: str) -> float:
         from ...measures import DEFAULT_RHO
@@ -245,12 +247,74 @@ TEXT_SEEDS = ZooPreset(
     },
     seed=1,
 )
+# The vision fine-tune population (issue 10): one ViT (64 wide, 4 deep) pre-trained on
+# Fashion-MNIST classes 0-4, fine-tuned on classes 5-9 with soup-style random
+# hyperparameters (learning rate, weight decay, epochs, batch size, augmentation, label
+# smoothing) on one fixed training set, no label noise; measured with the paper's
+# ImageNet protocol (2,048 training points in batches of 256, 20 Auto-PGD steps).
+FINETUNE_ARCH = dict(arch="64x4", heads=4, patch_size=7)
+VISION_FINETUNE = ZooPreset(
+    zoo="vision-finetune",
+    n_models=40,
+    axes=dict(
+        lr=[1e-4, 3e-4, 1e-3],
+        weight_decay=[0.0, 0.05, 0.2],
+        epochs=[4, 8, 16],
+        batch_size=[32, 64, 128],
+        augment=["none", "shift", "shift+flip"],
+        label_smoothing=[0.0, 0.1],
+    ),
+    fixed=dict(FINETUNE_ARCH, n_train=4096, label_noise=0.0),
+    pretrain=dict(
+        lr=1e-3,
+        weight_decay=0.05,
+        epochs=15,
+        batch_size=128,
+        augment="shift",
+        n_train=30000,
+        seed=0,
+    ),
+    n_test=5000,
+    n_points=2048,
+    measure_batch=256,
+    n_iters=20,
+    measures=MAIN_MEASURES,
+    rho_factors=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    seed=2,
+)
+VISION_FINETUNE_SMOKE = ZooPreset(
+    zoo="vision-finetune",
+    n_models=4,
+    axes=dict(lr=[1e-3, 3e-3], epochs=[1, 2], label_smoothing=[0.0, 0.1]),
+    fixed=dict(
+        arch="16x1",
+        heads=2,
+        patch_size=7,
+        n_train=96,
+        label_noise=0.0,
+        weight_decay=0.0,
+        batch_size=32,
+        augment="shift",
+    ),
+    pretrain=dict(
+        lr=3e-3, weight_decay=0.0, epochs=1, batch_size=64, augment="none", n_train=256, seed=0
+    ),
+    n_test=64,
+    n_points=32,
+    measure_batch=16,
+    n_iters=2,
+    measures=MAIN_MEASURES,
+    rho_factors=(0.5, 2.0),
+    n_boot=100,
+)
 PRESETS: dict[tuple[str, str], ZooPreset] = {
     ("vision", "full"): VISION_FULL,
     ("vision", "smoke"): VISION_SMOKE,
     ("text", "full"): TEXT_FULL,
     ("text", "smoke"): TEXT_SMOKE,
     ("text", "seeds"): TEXT_SEEDS,
+    ("vision-finetune", "full"): VISION_FINETUNE,
+    ("vision-finetune", "smoke"): VISION_FINETUNE_SMOKE,
 }
 
 

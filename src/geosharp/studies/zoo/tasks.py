@@ -24,7 +24,15 @@ from torch.nn import functional as F
 
 from ...data import move_batch
 
-__all__ = ["TASKS", "MeanPoolClassifier", "Task", "TextTask", "VisionTask", "task_for"]
+__all__ = [
+    "TASKS",
+    "FinetuneTask",
+    "MeanPoolClassifier",
+    "Task",
+    "TextTask",
+    "VisionTask",
+    "task_for",
+]
 
 
 def noisy_labels(labels: Tensor, noise: float, classes: int, seed: int) -> Tensor:
@@ -81,6 +89,21 @@ class Task:
         """Mean cross-entropy of a batch: the loss every measure perturbs."""
         return F.cross_entropy(self.logits(model, batch), self.labels(batch))
 
+    def train_loss(self, model: nn.Module, batch, hp: dict) -> Tensor:
+        """The loss training minimises: cross-entropy with ``hp``'s label smoothing."""
+        smoothing = float(hp.get("label_smoothing", 0.0))
+        return F.cross_entropy(
+            self.logits(model, batch), self.labels(batch), label_smoothing=smoothing
+        )
+
+    # a task whose models start from one pre-trained model: that model's task, and the
+    # hyperparameters that train it (None: models start from scratch or a checkpoint)
+    pretrain: Task | None = None
+
+    def use_pretrained(self, model: nn.Module) -> None:
+        """Hand the task its pre-trained model (after ``pretrain`` trained it)."""
+        raise NotImplementedError
+
     def batches(self, data: tuple[Tensor, ...], size: int, n: int | None = None) -> list:
         """The first ``n`` points of ``data`` (all by default) in batches of ``size``."""
         n = len(data[-1]) if n is None else min(n, len(data[-1]))
@@ -101,12 +124,44 @@ class Task:
         return wrong / n, total / n
 
 
+_VISION_CACHE: dict = {}
+
+
+def _vision_pool() -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
+    """Normalised train pool (shuffled once, seed 0), test set, and the data's name:
+    Fashion-MNIST, or (if its Debian package is missing) scikit-learn digits."""
+    if "data" not in _VISION_CACHE:
+        from ...data import load_digits, load_fashion_mnist
+
+        try:
+            train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
+            source = "fashion-mnist"
+        except FileNotFoundError:
+            digits = load_digits()
+            digits.images = F.interpolate(digits.images, size=(28, 28), mode="bilinear")
+            train, test = digits.split(1297, seed=0)
+            source = "digits (Fashion-MNIST missing)"
+        order = torch.randperm(len(train.labels), generator=torch.Generator().manual_seed(0))
+        _VISION_CACHE["data"] = (
+            (train.images[order] - 0.5) / 0.5,
+            train.labels[order],
+            (test.images - 0.5) / 0.5,
+            test.labels,
+            source,
+        )
+    return _VISION_CACHE["data"]
+
+
 class VisionTask(Task):
+    """Tiny ViTs from scratch on Fashion-MNIST; with ``subset``, on those classes only
+    (relabelled ``0..len(subset)-1`` in their order)."""
+
     name = "vision"
     setting = "Fashion-MNIST, tiny ViTs from scratch"
-    classes = 10
 
-    def __init__(self) -> None:
+    def __init__(self, subset: tuple[int, ...] | None = None) -> None:
+        self.subset = subset
+        self.classes = len(subset) if subset else 10
         self._cache: dict = {}
 
     @property
@@ -114,27 +169,17 @@ class VisionTask(Task):
         return self.pool()[4]
 
     def pool(self) -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
-        """Normalised train pool (shuffled once, seed 0), test set, and the data's name:
-        Fashion-MNIST, or (if its Debian package is missing) scikit-learn digits."""
+        """Train pool, test set (both restricted to ``subset``) and the data's name."""
         if "data" not in self._cache:
-            from ...data import load_digits, load_fashion_mnist
-
-            try:
-                train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
-                source = "fashion-mnist"
-            except FileNotFoundError:
-                digits = load_digits()
-                digits.images = F.interpolate(digits.images, size=(28, 28), mode="bilinear")
-                train, test = digits.split(1297, seed=0)
-                source = "digits (Fashion-MNIST missing)"
-            order = torch.randperm(len(train.labels), generator=torch.Generator().manual_seed(0))
-            self._cache["data"] = (
-                (train.images[order] - 0.5) / 0.5,
-                train.labels[order],
-                (test.images - 0.5) / 0.5,
-                test.labels,
-                source,
-            )
+            xtr, ytr, xte, yte, source = _vision_pool()
+            if self.subset:
+                relabel = torch.full((10,), -1, dtype=torch.long)
+                relabel[list(self.subset)] = torch.arange(len(self.subset))
+                keep, keep_te = relabel[ytr] >= 0, relabel[yte] >= 0
+                xtr, ytr = xtr[keep], relabel[ytr[keep]]
+                xte, yte = xte[keep_te], relabel[yte[keep_te]]
+                source = f"{source} classes {','.join(map(str, self.subset))}"
+            self._cache["data"] = (xtr, ytr, xte, yte, source)
         return self._cache["data"]
 
     def train_set(self, hp: dict) -> tuple[Tensor, Tensor]:
@@ -184,6 +229,34 @@ class VisionTask(Task):
 
     def labels(self, batch) -> Tensor:
         return batch[1]
+
+
+class FinetuneTask(VisionTask):
+    """Fine-tunes of one ViT pre-trained on Fashion-MNIST classes 0-4, on classes 5-9:
+    every model starts from the same pre-trained weights and a seeded new head."""
+
+    name = "vision-finetune"
+    setting = "Fashion-MNIST classes 5-9, fine-tunes of one ViT pre-trained on classes 0-4"
+
+    def __init__(self) -> None:
+        super().__init__(subset=(5, 6, 7, 8, 9))
+        self.pretrain = VisionTask(subset=(0, 1, 2, 3, 4))
+        self._backbone: dict[str, Tensor] | None = None
+
+    def use_pretrained(self, model: nn.Module) -> None:
+        self._backbone = {
+            k: v.detach().clone()
+            for k, v in model.state_dict().items()
+            if not k.startswith("classifier.")
+        }
+
+    def build_model(self, hp: dict) -> nn.Module:
+        if self._backbone is None:
+            raise RuntimeError("the pre-trained model is not loaded: train.prepare(task, ...)")
+        model = super().build_model(hp)  # seeded head
+        missing, unexpected = model.load_state_dict(self._backbone, strict=False)
+        assert not unexpected and all(k.startswith("classifier.") for k in missing)
+        return model
 
 
 def augment(x: Tensor, mode: str, gen: torch.Generator, max_shift: int = 2) -> Tensor:
@@ -328,9 +401,13 @@ class MeanPoolClassifier(nn.Module):
         return model
 
 
-TASKS: dict[str, Task] = {"vision": VisionTask(), "text": TextTask()}
+TASKS: dict[str, Task] = {
+    "vision": VisionTask(),
+    "text": TextTask(),
+    "vision-finetune": FinetuneTask(),
+}
 
 
 def task_for(zoo: str) -> Task:
-    """The task of a zoo kind (``vision`` or ``text``)."""
+    """The task of a zoo kind (``vision``, ``text`` or ``vision-finetune``)."""
     return TASKS[zoo]

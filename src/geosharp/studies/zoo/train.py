@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -13,18 +14,47 @@ import torch
 
 from ... import distributed as gd
 from ...data import move_batch
+from ...errors import UsageError
 from ...io import write_json_atomic
 from .presets import ZooPreset, sample_hyperparameters
-from .store import check_preset, model_complete, my_share, save_model, zoo_dir
-from .tasks import task_for
+from .store import check_preset, model_complete, my_share, read_json, save_model, zoo_dir
+from .tasks import Task, task_for
 
-__all__ = ["train_one", "train_zoo"]
+__all__ = ["prepare", "train_one", "train_zoo"]
 
 
-def train_one(hp: dict, zoo: str, n_test: int, device: torch.device | None = None):
+def prepare(preset: ZooPreset, out: str | Path, device: torch.device | None = None) -> None:
+    """Give the preset's task its pre-trained model, if it has one: trained once with
+    ``preset.pretrain`` (plus the preset's fixed architecture) into
+    ``<out>/<zoo>/pretrained/`` (atomically, rank 0 only), loaded from there after."""
+    task = task_for(preset.zoo)
+    if task.pretrain is None:
+        return
+    directory = zoo_dir(out, preset) / "pretrained"
+    hp = {**preset.fixed, **preset.pretrain, "id": "pretrained"}
+    if gd.rank_and_world()[0] == 0 and not model_complete(directory):
+        start = time.time()
+        model, metrics = train_one(hp, task.pretrain, preset.n_test, device=device)
+        tmp = directory.with_name(".pretrained.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(model, tmp)
+        meta = dict(id="pretrained", hyperparameters=hp, **metrics)
+        meta["train_seconds"] = time.time() - start
+        write_json_atomic(tmp / "meta.json", meta)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    gd.barrier()
+    stored = read_json(directory / "meta.json")["hyperparameters"]
+    if stored != json.loads(json.dumps(hp)):
+        raise UsageError(f"{directory} was pre-trained with other settings; use another --out")
+    task.use_pretrained(task.pretrain.load_model(directory))
+
+
+def train_one(hp: dict, zoo: str | Task, n_test: int, device: torch.device | None = None):
     """Train one model (on ``device``, CPU by default) with AdamW and a cosine schedule;
-    returns ``(model, metrics)`` (errors, losses and gaps on the training and test sets)."""
-    task = task_for(zoo)
+    returns ``(model, metrics)`` (errors, losses and gaps on the training and test sets).
+    ``zoo``: the zoo's name or its task."""
+    task = task_for(zoo) if isinstance(zoo, str) else zoo
     model = task.build_model(hp).to(device or "cpu")
     train_data, test_data = task.train_set(hp), task.test_set(hp, n_test)
     params = task.trainable(model, hp)
@@ -44,7 +74,7 @@ def train_one(hp: dict, zoo: str, n_test: int, device: torch.device | None = Non
         for start in range(0, n, bs):
             batch = task.batch(train_data, order[start : start + bs], hp, gen)
             optimizer.zero_grad(set_to_none=True)
-            task.loss(model, move_batch(batch, device)).backward()
+            task.train_loss(model, move_batch(batch, device), hp).backward()
             optimizer.step()
             schedule.step()
     for p in model.parameters():
@@ -80,6 +110,7 @@ def train_zoo(
     from ...progress import Progress
 
     check_preset(preset, out)
+    prepare(preset, out, device=device)
     root = zoo_dir(out, preset) / "models"
     root.mkdir(parents=True, exist_ok=True)
     if gd.rank_and_world()[0] == 0:
