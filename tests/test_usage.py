@@ -95,6 +95,12 @@ def test_zoo_refuses_a_folder_of_another_preset(tmp_path, capsys):
     check_preset(replace(smoke, n_models=9), tmp_path)  # adding models is allowed
     with pytest.raises(UsageError, match="n_iters"):
         check_preset(replace(smoke, n_iters=7), tmp_path)
+    # a zoo made before a setting existed: the setting at its default matches
+    older = {k: v for k, v in asdict(smoke).items() if k not in ("secondary", "target")}
+    write_json_atomic(tmp_path / "vision" / "preset.json", older)
+    check_preset(smoke, tmp_path)
+    with pytest.raises(UsageError, match="secondary"):
+        check_preset(replace(smoke, secondary={"adaptive-attn": "adaptive"}), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -78,9 +78,9 @@ def check_preset(preset: ZooPreset, out: str | Path) -> None:
         return f"{key} ({a!r} there, {b!r} now)" if scalar else key
 
     defaults = {
-        f.name: f.default
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         for f in dataclasses.fields(ZooPreset)
-        if f.default is not dataclasses.MISSING
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
     }
 
     def same(key: str) -> bool:  # a setting added after the zoo was made: its default
