@@ -371,3 +371,78 @@ def test_measurement_passes_main_grid_first(tmp_path):
     again = json.loads((tmp_path / "text" / "measures" / "text-000.json").read_text())
     assert again["measures"]["adaptive"] == record["measures"]["adaptive"]
     assert list(again["measures"]["adaptive-attn"]) == [repr(more.primary_rho("adaptive"))]
+
+
+def test_star_design_population_reports_the_granulated_tau(tmp_path):
+    """Base configurations and their one-axis variants: exact pairs, the granulated tau
+    over them with a bootstrap over bases, and word dropout in training."""
+    preset = dataclasses.replace(
+        _endpoint_preset(),
+        design="star",
+        axes=dict(lr=[3e-5, 3e-4], word_dropout=[0.0, 0.2]),
+        fixed=dict(
+            max_length=24,
+            weight_decay=0.01,
+            epochs=1,
+            batch_size=16,
+            n_train=48,
+            label_noise=0.0,
+            freeze_embeddings=False,
+            layers=1,
+        ),
+        n_models=6,
+        secondary={},
+        average_case=(),
+    )
+    hps = zoo.sample_hyperparameters(preset)
+    assert [(hp["base"], hp["varied"]) for hp in hps] == [
+        (0, None),
+        (0, "lr"),
+        (0, "word_dropout"),
+        (1, None),
+        (1, "lr"),
+        (1, "word_dropout"),
+    ]
+    for hp in hps:
+        base = hps[3 * hp["base"]]
+        differ = {a for a in preset.axes if hp[a] != base[a]}
+        assert differ == ({hp["varied"]} if hp["varied"] else set())
+    zoo.train_zoo(preset, tmp_path, progress=False)
+    zoo.measure_zoo(preset, tmp_path, progress=False)
+    zoo.report_zoo(preset, tmp_path, population="text/star")
+    study = json.loads((tmp_path / "text" / "report" / "endpoints.json").read_text())
+    gran = study["granulated"]
+    assert gran["n_bases"] == 2
+    for entry in gran["by_measure"].values():
+        # groups with a defined tau (the smoke models' gaps can tie): at most 2 per axis
+        assert all(1 <= d["groups"] <= 2 for d in entry["per_axis"].values())
+        assert -1.0 <= entry["granulated"] <= 1.0
+    assert "Granulated tau on the star design" in (tmp_path / "text/report/report.md").read_text()
+
+
+def test_star_groups_drop_a_base_without_its_own_model():
+    from geosharp.studies.zoo.report import star_groups
+
+    rows = [
+        dict(base=0.0, varied=""),
+        dict(base=0.0, varied="lr"),
+        dict(base=0.0, varied="wd"),
+        dict(base=1.0, varied="lr"),
+        dict(base=1.0, varied="wd"),  # base 1 itself excluded
+    ]
+    assert star_groups(rows, ["lr", "wd"]) == [{"lr": [0, 1], "wd": [0, 2]}]
+
+
+def test_word_dropout_replaces_only_ordinary_tokens():
+    import torch
+
+    task = zoo.task_for("text")
+    ids = torch.tensor([[101, 2023, 3185, 2003, 102, 0, 0]] * 200)
+    data = (ids, (ids != 0).long(), torch.zeros(200, dtype=torch.long))
+    gen = torch.Generator().manual_seed(0)
+    out = task.batch(data, slice(0, 200), dict(word_dropout=0.5), gen)["input_ids"]
+    dropped = out == task.unk_id
+    assert out.shape[1] == 5 and not dropped[:, [0, 4]].any()  # padding columns dropped
+    assert 0.4 < dropped[:, 1:4].float().mean() < 0.6
+    same = task.batch(data, slice(0, 200), dict(word_dropout=0.5))["input_ids"]
+    assert torch.equal(same, ids[:, :5])  # no generator: evaluation, no dropout

@@ -299,6 +299,29 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
                 f"| {name} | {e['main']} | {e['rho']:.4g} | {_ci(e['tau'], e['ci'])} "
                 f"| {_ci(d['tau_diff'], d['ci'])} | {e['median_value_ratio']:.3g} |"
             )
+    if study.get("granulated"):
+        gran = study["granulated"]
+        axes = sorted({a for e in gran["by_measure"].values() for a in e["per_axis"]})
+        lines += [
+            "",
+            f"## Granulated tau on the star design ({gran['n_bases']} base configurations)",
+            "",
+            "Jiang et al.'s definition on exact one-axis groups (a base and its variant); "
+            "95% interval from a bootstrap over base configurations.",
+            "",
+            "| measure | granulated tau | " + " | ".join(axes) + " |",
+            "|---|---|" + "---|" * len(axes),
+        ]
+        for name, e in gran["by_measure"].items():
+            cells = [
+                f"{e['per_axis'][a]['tau']:+.2f} ({e['per_axis'][a]['groups']})"
+                if a in e["per_axis"]
+                else "n/a"
+                for a in axes
+            ]
+            lines.append(
+                f"| {name} | {_ci(e['granulated'], e['ci'])} | " + " | ".join(cells) + " |"
+            )
     if study.get("split_half"):
         lines += [
             "",

@@ -84,6 +84,9 @@ class ZooPreset:
     average_case: tuple[str, ...] = ()
     # the recipe of the one pre-trained model every model starts from (tasks with one)
     pretrain: dict = field(default_factory=dict)
+    # "random": every model draws every axis; "star": base configurations and their
+    # one-axis variants (exact pairs for Jiang's granulated tau)
+    design: str = "random"
 
     def primary_rho(self, measure: str) -> float:
         from ...measures import DEFAULT_RHO
@@ -247,6 +250,34 @@ TEXT_SEEDS = ZooPreset(
     },
     seed=1,
 )
+# The hyperparameter population (issue 10, the CLIP-soups analogue on the seed
+# population's base): MiniLM-L6 fine-tunes in a star design, 6 base configurations each
+# with one variant per axis (42 models), so every axis has exact one-axis pairs. No
+# label noise, one training set, nothing frozen; measured like the seed population.
+TEXT_HPARAMS = ZooPreset(
+    zoo="text",
+    n_models=42,
+    design="star",
+    axes=dict(
+        lr=[2e-5, 5e-5, 1e-4],
+        weight_decay=[0.0, 0.01, 0.1],
+        epochs=[3, 5, 8],
+        label_smoothing=[0.0, 0.1],
+        batch_size=[16, 32, 64],
+        word_dropout=[0.0, 0.1],
+    ),
+    fixed=dict(n_train=1000, label_noise=0.0, freeze_embeddings=False, layers=6, max_length=32),
+    measure_vocabulary="batch",
+    baselines=True,
+    target=0.1,
+    n_test=2000,
+    n_points=128,
+    measure_batch=64,
+    n_iters=20,
+    measures=MAIN_MEASURES,
+    rho_factors=TEXT_SEEDS.rho_factors,
+    seed=3,
+)
 # The vision fine-tune population (issue 10): one ViT (64 wide, 4 deep) pre-trained on
 # Fashion-MNIST classes 0-4, fine-tuned on classes 5-9 with soup-style random
 # hyperparameters (learning rate, weight decay, epochs, batch size, augmentation, label
@@ -313,6 +344,7 @@ PRESETS: dict[tuple[str, str], ZooPreset] = {
     ("text", "full"): TEXT_FULL,
     ("text", "smoke"): TEXT_SMOKE,
     ("text", "seeds"): TEXT_SEEDS,
+    ("text", "hparams"): TEXT_HPARAMS,
     ("vision-finetune", "full"): VISION_FINETUNE,
     ("vision-finetune", "smoke"): VISION_FINETUNE_SMOKE,
 }
@@ -329,19 +361,49 @@ def get_preset(zoo: str, preset: str) -> ZooPreset:
 def sample_hyperparameters(preset: ZooPreset) -> list[dict]:
     """One hyperparameter dict per model, drawn deterministically from ``preset.seed``.
 
-    Model ``i`` draws each axis uniformly from its choices with the generator seeded by
-    ``(seed, i)``, so adding models never changes the earlier ones."""
+    ``design="random"``: model ``i`` draws each axis uniformly from its choices with the
+    generator seeded by ``(seed, i)``, so adding models never changes the earlier ones.
+    ``design="star"``: base configuration ``b`` draws each axis the same way from
+    ``(seed, b)`` and one alternative value per axis; the base and its one-axis variants
+    (:func:`~geosharp.studies.design.star_design`) are models ``b (1 + A)`` to
+    ``b (1 + A) + A`` for ``A`` axes, each recording its ``base`` and ``varied`` axis.
+    """
+    if preset.design == "star":
+        return _star_hyperparameters(preset)
     out = []
     for i in range(preset.n_models):
         rng = np.random.default_rng([preset.seed, i])
-        hp = {
-            axis: choices[int(rng.integers(len(choices)))] for axis, choices in preset.axes.items()
-        }
-        for k, v in hp.items():
-            if isinstance(v, np.generic):
-                hp[k] = v.item()
-        hp.update(preset.fixed)
-        hp["seed"] = int(preset.seed * 1000 + i)
-        hp["id"] = f"{preset.zoo}-{i:03d}"
-        out.append(hp)
+        hp = {axis: _draw(rng, choices) for axis, choices in preset.axes.items()}
+        out.append(_finish(hp, preset, i))
     return out
+
+
+def _draw(rng: np.random.Generator, choices: list):
+    value = choices[int(rng.integers(len(choices)))]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _finish(hp: dict, preset: ZooPreset, i: int) -> dict:
+    hp.update(preset.fixed)
+    hp["seed"] = int(preset.seed * 1000 + i)
+    hp["id"] = f"{preset.zoo}-{i:03d}"
+    return hp
+
+
+def _star_hyperparameters(preset: ZooPreset) -> list[dict]:
+    from ..design import star_design
+
+    per_base = 1 + len(preset.axes)
+    out: list[dict] = []
+    for b in range((preset.n_models + per_base - 1) // per_base):
+        rng = np.random.default_rng([preset.seed, b])
+        base = {axis: _draw(rng, choices) for axis, choices in preset.axes.items()}
+        alternatives = {
+            axis: [_draw(rng, [c for c in choices if c != base[axis]])]
+            for axis, choices in preset.axes.items()
+        }
+        configs, _ = star_design([base], alternatives)
+        for config in configs:
+            config["base"] = b
+            out.append(_finish(config, preset, len(out)))
+    return out[: preset.n_models]

@@ -348,6 +348,8 @@ def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> s
     import io
 
     axes = list(preset.axes) + [k for k in preset.fixed if k not in preset.axes]
+    if preset.design == "star":
+        axes += ["base", "varied"]
     metrics = ["train_error", "test_error", "train_loss", "test_loss", "error_gap", "loss_gap"]
     baselines = [k for k in BASELINE_KEYS if all(k in r.get("baselines", {}) for r in records)]
     columns = [
@@ -440,7 +442,49 @@ def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict
     study["spread"] = spread
     study["tau_curves"] = tau_curves(kept, preset.measures, n_boot=500)
     study["secondary"] = secondary_study(preset, kept)
+    if preset.design == "star":
+        study["granulated"] = granulated_study(preset, kept, study)
     return study
+
+
+def star_groups(rows: list[dict], axes) -> list[dict[str, list[int]]]:
+    """``groups[b][axis]``: the indices (into ``rows``) of base ``b`` and of its variants
+    along ``axis``; a base whose own model is not among the rows has no groups."""
+    groups = []
+    for b in sorted({int(r["base"]) for r in rows}):
+        members = [i for i, r in enumerate(rows) if int(r["base"]) == b]
+        roots = [i for i in members if not rows[i]["varied"]]
+        if not roots:
+            continue
+        by_axis = {}
+        for axis in axes:
+            variants = [i for i in members if rows[i]["varied"] == axis]
+            if variants:
+                by_axis[axis] = roots + variants
+        groups.append(by_axis)
+    return groups
+
+
+def granulated_study(preset: ZooPreset, rows: list[dict], study: dict) -> dict:
+    """Jiang et al.'s granulated tau on the star design's exact one-axis groups, for
+    every main measure at its calibrated radius and every baseline, with a bootstrap
+    over base configurations, and the number of groups per axis."""
+    from ..stats import granulated_tau_ci, grouped_granulated_tau
+
+    groups = star_groups(rows, preset.axes)
+    gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
+    columns = {m: [r["measures"][m][e["rho"]] for r in rows] for m, e in study["measures"].items()}
+    columns |= {b: [r[b] for r in rows] for b in study["baselines"]}
+    out = {}
+    for name, values in columns.items():
+        pooled: dict[str, list[list[int]]] = {}
+        for g in groups:
+            for axis, idx in g.items():
+                pooled.setdefault(axis, []).append(idx)
+        per_axis = grouped_granulated_tau(values, gap, pooled)["per_axis"]
+        ci = granulated_tau_ci(values, gap, groups, n_boot=2000, seed=preset.seed)
+        out[name] = dict(granulated=ci.estimate, ci=[ci.low, ci.high], per_axis=per_axis)
+    return dict(n_bases=len(groups), by_measure=out)
 
 
 def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:

@@ -326,8 +326,18 @@ class TextTask(Task):
     def test_set(self, hp: dict, n_test: int) -> tuple[Tensor, Tensor, Tensor]:
         return tuple(t[:n_test] for t in self.tokenised(int(hp["max_length"]))["test"])
 
+    unk_id = 100  # MiniLM's [UNK]
+    special_ids = (0, 101, 102)  # [PAD], [CLS], [SEP]
+
     def batch(self, data, idx, hp=None, gen=None) -> dict:
+        """With a generator, ``hp["word_dropout"]`` replaces that fraction of the
+        sentence's tokens (not [PAD], [CLS], [SEP]) by [UNK]."""
         ids, mask, labels = (t[idx] for t in data)
+        rate = float(hp.get("word_dropout", 0.0)) if hp is not None else 0.0
+        if gen is not None and rate > 0:
+            drop = torch.rand(ids.shape, generator=gen) < rate
+            drop &= ~torch.isin(ids, torch.tensor(self.special_ids))
+            ids = torch.where(drop, torch.full_like(ids, self.unk_id), ids)
         keep = int(mask.sum(1).max())  # drop all-padding columns
         return {"input_ids": ids[:, :keep], "attention_mask": mask[:, :keep], "labels": labels}
 
