@@ -81,3 +81,19 @@ def test_demo_quick(capsys):
     }
     assert "yes" in table["geodesic inv"] and "yes" in table["geodesic mix"]
     assert "NO" in table["adaptive"]
+
+
+def test_measure_hessian_traces_beside_sharpness(bert_dir, text_csv, tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    args = ["measure", str(bert_dir), "--data", str(text_csv), "--n-points", "8"]
+    args += ["--batch-size", "8", "--n-iters", "2", "--n-probes", "3", "--json", str(out_json)]
+    code = main([*args, "--measures", "hessian-trace-inv,adaptive", "--rho", "0.02"])
+    assert code == 0
+    assert "hessian-trace-inv" in capsys.readouterr().out
+    rows = {r["measure"]: r for r in json.loads(out_json.read_text())["results"]}
+    trace = rows["hessian-trace-inv"]
+    assert trace["rho"] is None and len(trace["per_probe"]) == 3 and trace["stderr"] >= 0
+    assert rows["adaptive"]["rho"] == 0.02
+    code = main([*args, "--measures", "hessian-trace-inv", "--rho", "hessian-trace-inv=0.1"])
+    assert code == 2
+    assert "has no radius" in capsys.readouterr().err

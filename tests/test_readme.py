@@ -54,3 +54,14 @@ def test_cli_examples_name_real_options():
         for word in argv:
             if word.startswith("--"):
                 assert word in known, (line, word)
+
+
+def test_hessian_trace_example_runs_as_written(capsys):
+    section = _section("The measures")
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md (Hessian trace)", "exec"), {"__name__": "__readme__"})
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^Hessian trace \(adaptive\) = \S+ \+- \S+ \(50 probes, 1 batches\)$", out, re.M
+    )

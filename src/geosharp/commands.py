@@ -73,6 +73,12 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--n-samples", type=positive_int, default=10, help="random directions, --kind average"
     )
+    p.add_argument(
+        "--n-probes",
+        type=positive_int,
+        default=100,
+        help="Hutchinson probes of the hessian-trace-* measures (100)",
+    )
     p.add_argument("--max-length", type=positive_int, default=64, help="token limit (64)")
     add_seed(p, "new classifier head, random starts and data subset")
     add_device(p)
@@ -93,16 +99,18 @@ def add_symmetries_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure_names(spec: str) -> list[str]:
-    """The measures named by ``--measures``, or an error listing the known names."""
-    from .measures import MEASURES
+    """The measures named by ``--measures`` (sharpness measures and Hessian traces), or
+    an error listing the known names."""
+    from .measures import HESSIAN_TRACES, MEASURES
 
+    known = [*MEASURES, *HESSIAN_TRACES]
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
-        raise UsageError(f"--measures is empty: name one or more of {', '.join(MEASURES)}")
-    unknown = [n for n in names if n not in MEASURES]
+        raise UsageError(f"--measures is empty: name one or more of {', '.join(known)}")
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise UsageError(
-            f"unknown measure {unknown[0]!r} in --measures; choose from {', '.join(MEASURES)}"
+            f"unknown measure {unknown[0]!r} in --measures; choose from {', '.join(known)}"
         )
     return names
 
@@ -114,13 +122,15 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
 
     from .measures import DEFAULT_RHO
 
-    table = {n: DEFAULT_RHO[n] for n in names}
+    table = {n: DEFAULT_RHO[n] for n in names if n in DEFAULT_RHO}  # traces have no radius
     if not spec.strip():
         return table
     items = [("*", spec)] if "=" not in spec else [item.split("=", 1) for item in spec.split(",")]
     for key, text in items:
         key = key.strip()
         if key != "*" and key not in table:
+            if key in names:
+                raise UsageError(f"--rho names {key!r}, a Hessian trace, which has no radius")
             raise UsageError(f"--rho names {key!r}, which is not in --measures")
         try:
             value = float(text)
@@ -128,7 +138,7 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
             raise UsageError(f"could not read --rho {spec!r}: use 0.05 or name=0.05,...") from None
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--rho must be positive and finite, got {text.strip()}")
-        for name in names if key == "*" else [key]:
+        for name in table if key == "*" else [key]:
             table[name] = value
     return table
 
@@ -246,7 +256,7 @@ def run_measure(args) -> int:
     from .data import move_batch
     from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
     from .io import write_json_atomic
-    from .measures import sharpness
+    from .measures import HESSIAN_TRACES, hessian_trace, sharpness
     from .symmetry import find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -286,6 +296,21 @@ def run_measure(args) -> int:
     results = []
     for name in names:
         start = time.perf_counter()
+        if name in HESSIAN_TRACES:  # no radius, no autocast; every process computes it
+            trace = hessian_trace(
+                model,
+                batches,
+                classification_loss,
+                HESSIAN_TRACES[name],
+                n_probes=args.n_probes,
+                seed=args.seed,
+                symmetries=symmetries,
+                progress=not args.quiet and rank == 0,
+            )
+            row = trace.to_dict()
+            row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
+            results.append(row)
+            continue
         result = sharpness(
             model,
             batches,
@@ -308,11 +333,12 @@ def run_measure(args) -> int:
         return 0
 
     table = sys.stderr if args.json == "-" else sys.stdout
-    print(f"{'measure':<28} {'rho':>8} {'sharpness':>12} {'loss':>9} {'time':>7}", file=table)
+    print(f"{'measure':<28} {'rho':>8} {'value':>12} {'loss':>9} {'time':>7}", file=table)
     for r in results:
+        rho = "-" if r["rho"] is None else f"{r['rho']:g}"
+        value = f"{r['value']:.5g}" + (f" +- {r['stderr']:.2g}" if "stderr" in r else "")
         print(
-            f"{r['measure']:<28} {r['rho']:>8g} {r['value']:>12.5g} {r['loss']:>9.4g} "
-            f"{r['seconds']:>6.1f}s",
+            f"{r['measure']:<28} {rho:>8} {value:>12} {r['loss']:>9.4g} {r['seconds']:>6.1f}s",
             file=table,
         )
     if args.json:

@@ -651,6 +651,33 @@ class PerturbationSpace:
             block.scatter_(out, block.state.sample(generator))
         return self.proju_(out)
 
+    def acceleration(self, xi: Tensor) -> Tensor:
+        r"""The second-order term of the step, a new flat vector ``a`` with
+
+        .. math:: \gamma_{t\xi}(1) = \theta + t\xi + \tfrac{t^2}{2} a(\xi) + O(t^3):
+
+        on pairs of a geodesic step the geodesic acceleration of the pair metric
+        (:meth:`PairState.geodesic_acceleration`), element-wise with
+        ``elementwise_step="exp"`` ``xi^2 / theta`` (the GL(1) geodesic), 0 elsewhere.
+        Then ``d^2/dt^2 f(gamma_{t xi}(1)) = xi^T Hess f xi + <grad f, a(xi)>`` at
+        ``t = 0``: the Riemannian Hessian's quadratic form (the Christoffel term is
+        ``<grad f, a>``).
+        """
+        out = torch.zeros_like(xi)
+        if self.geometry.exp_elementwise:
+            for s, e, theta, *_ in self._pieces():
+                nonzero = theta != 0
+                out[s:e] = torch.where(
+                    nonzero, xi[s:e].square() / torch.where(nonzero, theta, 1), 0
+                )
+            for block in self.blocks:  # pair entries keep the straight line
+                g, h = block.gather(out)
+                block.scatter_(out, (torch.zeros_like(g), torch.zeros_like(h)))
+        if self.geometry.geodesic_step:
+            for block in self.blocks:
+                block.add_(out, block.state.geodesic_acceleration(block.gather(xi)))
+        return out
+
     def retr(self, xi: Tensor) -> Tensor:
         """The perturbed point ``gamma_xi(1)`` as a flat vector (differentiable in ``xi``)."""
         geometry = self.geometry

@@ -1,22 +1,27 @@
-"""Sharpness measures: Auto-PGD worst case and random-direction average case."""
+"""Sharpness measures (Auto-PGD worst case, random-direction average case) and the
+Hessian trace in each geometry."""
 
 from .apgd import APGDTrace, Iterate, auto_pgd, checkpoints
-from .catalog import DEFAULT_RHO, MEASURES, TABLE, Measure, measure_kwargs
+from .catalog import DEFAULT_RHO, HESSIAN_TRACES, MEASURES, TABLE, Measure, measure_kwargs
 from .estimators import AverageCase, WorstCase
+from .hessian import HessianTraceResult, hessian_trace
 from .sharpness import SharpnessResult, sharpness
 
 __all__ = [
     "DEFAULT_RHO",
+    "HESSIAN_TRACES",
     "MEASURES",
     "TABLE",
     "APGDTrace",
     "AverageCase",
+    "HessianTraceResult",
     "Iterate",
     "Measure",
     "SharpnessResult",
     "WorstCase",
     "auto_pgd",
     "checkpoints",
+    "hessian_trace",
     "measure_kwargs",
     "sharpness",
 ]

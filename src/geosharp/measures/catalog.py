@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "DEFAULT_RHO",
+    "HESSIAN_TRACES",
     "MEASURES",
     "PAPER_SETTINGS",
     "PAPER_TABLE",
@@ -93,6 +94,14 @@ MEASURES: dict[str, dict] = {name: m.kwargs() for name, m in TABLE.items()}
 
 DEFAULT_RHO: dict[str, float] = {name: m.rho for name, m in TABLE.items()}
 """Name -> default radius."""
+
+HESSIAN_TRACES: dict[str, str] = {
+    "hessian-trace-euclidean": "euclidean",
+    "hessian-trace-adaptive": "adaptive",
+    "hessian-trace-inv": "geodesic-inv",
+    "hessian-trace-mix": "geodesic-mix",
+}
+"""Name -> the measure whose geometry :func:`geosharp.measures.hessian_trace` uses."""
 
 PAPER_TABLE: list[tuple[str, float, float, float]] = [
     (label, *(TABLE[n].paper_tau[key] for n in ("adaptive", "geodesic-inv", "geodesic-mix")))

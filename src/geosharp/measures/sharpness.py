@@ -182,8 +182,7 @@ def sharpness(
             f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
         )
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
-    # the geometry's name is the measure table's ("geodesic-inv", "adaptive-linf", ...)
-    label = geo.name if geo.p == 2 else f"{geo.name}-linf"
+    label = _label(geo)
     if rho is None:
         name = f"{label}-attn" if pairs_only else label
         if name not in DEFAULT_RHO:
@@ -194,20 +193,9 @@ def sharpness(
         rho = DEFAULT_RHO[name]
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
-    if symmetries is None:
-        symmetries = find_symmetries(model)
-    if pairs_only:
-        parameters = _pair_parameters(model, symmetries)
-    named = _perturbed_parameters(model, parameters)
-    pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
-    layout = ParameterLayout.from_named(named)
-    dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
-    upcast = dtype in (torch.float16, torch.bfloat16)
-    if upcast:
-        dtype = torch.float32
-    # the model's own tensors (read, never written; copies only where the dtype differs)
-    theta = {n: t.detach().to(dtype) for n, t in named}
-    device = named[0][1].device
+    target = _target(model, geo, parameters, symmetries)
+    named, pairs, layout, dtype = target.named, target.pairs, target.layout, target.dtype
+    theta, upcast, device = target.theta, target.upcast, target.device
     worst = isinstance(estimator, WorstCase)
     settings = dict(
         metric=geo.metric.name if geo.metric is not None else None,
@@ -302,6 +290,48 @@ def sharpness(
         settings=settings,
         traces=traces,
         per_batch_starts=per_batch_starts,
+    )
+
+
+def _label(geo: Geometry) -> str:
+    """The geometry's name in the measure table ("geodesic-inv", "adaptive-linf", ...)."""
+    return geo.name if geo.p == 2 else f"{geo.name}-linf"
+
+
+@dataclass
+class _Target:
+    """What a measure works on: the perturbed parameters, their pairs and layout, and
+    ``theta``, the model's own tensors in the measure's dtype (read, never written;
+    copies only where the dtype differs: half precision is measured in float32)."""
+
+    named: list[tuple[str, Tensor]]
+    pairs: list
+    layout: ParameterLayout
+    dtype: torch.dtype
+    upcast: bool
+    theta: dict[str, Tensor]
+    device: torch.device
+
+
+def _target(
+    model: nn.Module,
+    geo: Geometry,
+    parameters: Sequence[str] | str | None,
+    symmetries: Symmetries | None,
+) -> _Target:
+    if symmetries is None:
+        symmetries = find_symmetries(model)
+    if isinstance(parameters, str) and parameters == "pairs":
+        parameters = _pair_parameters(model, symmetries)
+    named = _perturbed_parameters(model, parameters)
+    pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
+    dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
+    upcast = dtype in (torch.float16, torch.bfloat16)
+    if upcast:
+        dtype = torch.float32
+    theta = {n: t.detach().to(dtype) for n, t in named}
+    return _Target(
+        named, pairs, ParameterLayout.from_named(named), dtype, upcast, theta, named[0][1].device
     )
 
 

@@ -1,0 +1,196 @@
+r"""``hessian_trace``: the trace of the loss's Hessian in a measure's geometry.
+
+Along the perturbation path of a measure's geometry (:mod:`geosharp.geometry.space`),
+``gamma_{t xi}(1) = theta + t xi + t^2/2 a(xi) + O(t^3)``, the loss bends as
+
+.. math::
+
+    \operatorname{Hess} f(\xi, \xi) = \frac{d^2}{dt^2} f(\gamma_{t\xi}(1))\Big|_{t=0}
+    = \xi^\top \nabla^2 f\, \xi + \langle \nabla f, a(\xi) \rangle .
+
+For the geodesic measures ``a`` is the geodesic acceleration of the pair metric, so on
+horizontal ``xi`` this is the Riemannian Hessian of the loss on the quotient (the
+Christoffel term is ``<grad f, a>``); for adaptive (straight step, ``c = |theta|``) it
+is ``xi^T H xi`` in the metric ``sum (xi_j / c_j)^2``, for Euclidean the plain Hessian.
+Its trace over a metric-orthonormal basis of the (horizontal) tangent space is
+estimated by Hutchinson's method,
+
+.. math::
+
+    \operatorname{tr} \operatorname{Hess} f = \mathbb{E}_z\, \operatorname{Hess} f(z, z),
+    \qquad z \sim \mathcal{N}(0, G^{-1}) \text{ projected onto the horizontal space},
+
+with the probes of :meth:`~geosharp.geometry.PerturbationSpace.random`, drawn
+equivariantly: networks related by a symmetry get related probes, so the geodesic
+estimate is invariant probe by probe, not only in expectation. Hessian-vector products
+use double backward: ``torch.nn.functional.scaled_dot_product_attention`` runs with its
+math backend inside (the fused kernels have no double backward), which covers
+``nn.MultiheadAttention`` and Hugging Face's ``"sdpa"`` and ``"eager"`` attention;
+other fused kernels (flash-attention packages) must be switched off by the user.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..geometry.space import Geometry, PerturbationSpace
+from ..params import LossFunction, evaluation_mode, functional_loss
+from ..symmetry.pairs import Symmetries
+from .sharpness import (
+    _GEOMETRY_KEYS,
+    _batch_seed,
+    _checked_loss,
+    _float32_copies,
+    _geometry,
+    _label,
+    _limited,
+    _target,
+)
+
+__all__ = ["HessianTraceResult", "hessian_trace"]
+
+
+@dataclass
+class HessianTraceResult:
+    """A Hutchinson estimate of the Hessian's trace in one geometry.
+
+    ``value`` is the mean over probes of ``Hess f(z, z)`` for the mean loss over the
+    batches, ``stderr`` its standard error (standard deviation over probes divided by
+    the square root of their number), ``per_probe`` each probe's value, ``loss`` the
+    mean loss."""
+
+    value: float
+    stderr: float
+    per_probe: list[float]
+    loss: float
+    geometry: str
+    n_probes: int
+    n_batches: int
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return (
+            f"Hessian trace ({self.geometry}) = {self.value:.6g} +- {self.stderr:.2g} "
+            f"({self.n_probes} probes, {self.n_batches} batches)"
+        )
+
+
+def hessian_trace(
+    model: nn.Module,
+    batches: Iterable,
+    loss_fn: LossFunction,
+    measure: str | Geometry | None = None,
+    n_probes: int = 100,
+    *,
+    seed: int = 0,
+    symmetries: Symmetries | None = None,
+    parameters: Sequence[str] | str | None = None,
+    max_batches: int | None = None,
+    progress: bool = False,
+    **geometry,
+) -> HessianTraceResult:
+    """Estimate the trace of the Hessian of the mean batch loss in ``measure``'s
+    geometry, by ``n_probes`` Hutchinson probes.
+
+    ``measure``, ``parameters``, ``symmetries`` and the geometry keywords (``geometry``,
+    ``metric``, ``eps``, ``elementwise_step``) are those of :func:`~geosharp.sharpness`
+    (default: ``"geodesic-inv"``); the radius plays no role. Probe ``k`` is drawn from
+    its own generator (seeded from ``seed`` and ``k``) and is the same for every batch.
+    Each batch costs one forward, one backward with its graph kept, and one
+    double-backward per probe. The model is left bit-identical, also when this raises.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(3, 1, bias=False))
+    >>> x = torch.eye(3)
+    >>> batches = [(x, torch.zeros(3, 1))]
+    >>> mse = lambda m, b: (m(b[0]) - b[1]).pow(2).sum()  # Hessian 2 I
+    >>> r = hessian_trace(net, batches, mse, "euclidean", n_probes=400)
+    >>> abs(r.value - 6.0) < 3 * r.stderr  # tr(2 I) = 6
+    True
+    """
+    unknown = sorted(set(geometry) - set(_GEOMETRY_KEYS))
+    if unknown:
+        raise TypeError(f"hessian_trace() got unexpected keyword argument(s): {', '.join(unknown)}")
+    if isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1:
+        raise ValueError(f"n_probes must be a positive integer, got {n_probes!r}")
+    geo, parameters = _geometry(measure, dict(geometry), parameters)
+    if geo.p != 2:
+        raise ValueError("the Hessian trace needs a round ball (p=2), not the L-infinity box")
+    target = _target(model, geo, parameters, symmetries)
+    layout, theta = target.layout, target.theta
+    sums = torch.zeros(n_probes, dtype=torch.float64)
+    losses = []
+    with evaluation_mode(model), sdpa_kernel(SDPBackend.MATH):
+        space = PerturbationSpace(theta, layout, target.pairs, geo)
+        evaluate = functional_loss(
+            model, loss_fn, _float32_copies(model, target.named) if target.upcast else None
+        )
+        for index, batch in _limited(batches, max_batches, progress, "hessian trace"):
+            del index
+            params = {n: t.detach().requires_grad_() for n, t in theta.items()}
+            loss = evaluate(params, batch)
+            losses.append(_checked_loss(loss, "unperturbed"))
+            leaves = list(params.values())
+            grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+            if all(g is None for g in grads):
+                raise ValueError("the loss does not depend on the parameters to measure")
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+            flat_grad = torch.cat([g.detach().reshape(-1) for g in grads])
+            curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
+            for k in range(n_probes):
+                generator = torch.Generator(device=target.device)
+                z = space.random(generator.manual_seed(_batch_seed(seed, k)))
+                views = layout.unflatten(z)
+                total = float(space.dot(flat_grad, space.acceleration(z)))  # Christoffel
+                if curved:  # else the loss is linear in the parameters
+                    directional = sum((g * views[n]).sum() for n, g, _ in curved)
+                    hz = torch.autograd.grad(
+                        directional,
+                        [p for *_, p in curved],
+                        retain_graph=k + 1 < n_probes,
+                        allow_unused=True,
+                    )
+                    for (n, *_), h in zip(curved, hz):
+                        if h is not None:
+                            total += float(space.dot(h.reshape(-1), views[n].reshape(-1)))
+                sums[k] += total
+            del grads, flat_grad, curved
+    if not losses:
+        raise ValueError("no batches: `batches` yielded nothing to measure on")
+    per_probe = (sums / len(losses)).tolist()
+    mean = sum(per_probe) / n_probes
+    if n_probes > 1:
+        var = sum((v - mean) ** 2 for v in per_probe) / (n_probes - 1)
+        stderr = math.sqrt(var / n_probes)
+    else:
+        stderr = float("nan")
+    return HessianTraceResult(
+        value=mean,
+        stderr=stderr,
+        per_probe=per_probe,
+        loss=sum(losses) / len(losses),
+        geometry=_label(geo),
+        n_probes=n_probes,
+        n_batches=len(losses),
+        settings=dict(
+            metric=geo.metric.name if geo.metric is not None else None,
+            seed=seed,
+            elementwise_step="exp" if geo.exp_elementwise else "straight",
+            n_pairs=len(target.pairs),
+            dtype=str(target.dtype).removeprefix("torch."),
+        ),
+    )
