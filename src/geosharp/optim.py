@@ -1,0 +1,176 @@
+r"""``GeodesicSAM``: sharpness-aware minimisation in a measure's geometry.
+
+SAM (Foret et al. 2021) takes the gradient at an ascent point ``w + e`` and applies it
+at ``w``; ASAM (Kwon et al. 2021) scales the ascent by ``|w|``. Both move along
+directions that the symmetries of attention make meaningless: two networks that compute
+the same function get different ascent points and different updates. Here the ascent
+is the worst-case direction of the chosen geometry to first order,
+
+.. math:: \xi = \rho \, \frac{d}{\|d\|_g}, \qquad d = \mathrm{proj}_h(\mathrm{grad}_g L),
+
+the normalised horizontal Riemannian gradient, and the ascent point is the measure's
+own step ``gamma_xi(1)`` (second-order geodesic on attention pairs). With
+``measure="euclidean"`` this is SAM, with ``"adaptive"`` ASAM (its ``eta = 0``), with
+``"geodesic-inv"``/``"geodesic-mix"`` the symmetry-invariant version: networks related
+by a symmetry reach related ascent points, hence the same ascent loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .geometry.space import PerturbationSpace
+from .symmetry.pairs import Symmetries
+
+__all__ = ["GeodesicSAM"]
+
+
+class GeodesicSAM(torch.optim.Optimizer):
+    """Wrap ``base_optimizer`` so that each step uses the gradient at the ascent point.
+
+    Args:
+        model: the model whose parameters (those that require grad) are trained; its
+            symmetries are found once here (or pass ``symmetries``).
+        base_optimizer: an optimizer class (built over the model's parameters with
+            ``**kwargs``, e.g. ``torch.optim.AdamW, lr=1e-3``) or an instance built over
+            them already.
+        rho: radius of the ascent in the measure's norm (``0``: the base optimizer).
+        measure: ``"geodesic-inv"`` (default), ``"geodesic-mix"``, ``"adaptive"``
+            (ASAM) or ``"euclidean"`` (SAM), or any name of
+            :data:`geosharp.measures.MEASURES` with a round ball.
+
+    Use it as SAM implementations are used::
+
+        loss_fn(model, batch).backward()
+        opt.first_step(zero_grad=True)    # to the ascent point
+        loss_fn(model, batch).backward()  # clip gradients here if you clip
+        opt.second_step(zero_grad=True)   # back, then the base optimizer's step
+
+    or ``opt.step(closure)`` with a closure that zeroes nothing, computes the loss,
+    calls ``backward`` and returns the loss. If the second forward/backward raises
+    inside :meth:`step`, the weights go back to ``w`` before the error propagates.
+    Under DDP, run the first backward inside ``model.no_sync()`` to ascend along each
+    process's own gradient without an all-reduce (as SAM users do); the second one
+    synchronises as usual.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        base_optimizer,
+        rho: float = 0.05,
+        measure: str = "geodesic-inv",
+        *,
+        symmetries: Symmetries | None = None,
+        **kwargs,
+    ) -> None:
+        from .measures.sharpness import _geometry, _target
+
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho >= 0):
+            raise ValueError(f"rho must be a finite number >= 0, got {rho!r}")
+        self.geometry, parameters = _geometry(measure, {}, None)
+        if parameters is not None:
+            raise ValueError(
+                f"{measure!r} perturbs a subset of the parameters; GeodesicSAM trains them "
+                "all: use the measure without '-attn'"
+            )
+        if self.geometry.p != 2:
+            raise ValueError(f"GeodesicSAM needs a round ball (p=2), not {measure!r}")
+        target = _target(model, self.geometry, parameters, symmetries)
+        if target.upcast:
+            raise ValueError("GeodesicSAM trains float32/float64 weights; use autocast for bf16")
+        self._named = target.named
+        self._layout, self._pairs = target.layout, target.pairs
+        params = [p for _, p in self._named]
+        if isinstance(base_optimizer, torch.optim.Optimizer):
+            if kwargs:
+                raise TypeError("pass the base optimizer's options to its constructor")
+            self.base_optimizer = base_optimizer
+        else:
+            self.base_optimizer = base_optimizer(params, **kwargs)
+        super().__init__(params, dict(rho=float(rho)))
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+        self.rho = float(rho)
+        self._saved: Tensor | None = None  # w while the weights are at the ascent point
+
+    def _space(self) -> PerturbationSpace:
+        theta = {n: p.detach() for n, p in self._named}
+        return PerturbationSpace(theta, self._layout, self._pairs, self.geometry)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> float:
+        """Move the weights to the ascent point ``gamma_xi(1)``; returns ``||d||_g``."""
+        if self._saved is not None:
+            raise RuntimeError("first_step twice: call second_step before the next first_step")
+        space = self._space()
+        grad = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for _, p in self._named
+            ]
+        ).to(space.dtype)
+        direction = space.proju_(space.egrad2rgrad_(grad))
+        norm = float(space.norm(direction))
+        self._saved = space.theta_flat()
+        if self.rho > 0 and norm > 0 and math.isfinite(norm):
+            xi = direction.mul_(self.rho / norm)
+            point = space.empty()
+            space.retr_(xi, point)
+            self._write(point)
+        if zero_grad:
+            self.zero_grad()
+        return norm
+
+    @torch.no_grad()
+    def _write(self, flat: Tensor) -> None:
+        for (_, p), view in zip(self._named, self._layout.unflatten(flat).values()):
+            p.copy_(view)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the weights back to ``w`` (nothing to do if they are there)."""
+        if self._saved is not None:
+            self._write(self._saved)
+            self._saved = None
+
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Back to ``w``, then the base optimizer's step with the current gradients."""
+        if self._saved is None:
+            raise RuntimeError("second_step without first_step")
+        self.restore()
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:
+        """One full step; ``closure`` computes the loss and its gradients (no zeroing).
+        Returns the loss at ``w``."""
+        if closure is None:
+            raise ValueError("GeodesicSAM.step needs a closure (or call first_step/second_step)")
+        with torch.enable_grad():
+            loss = closure()
+        self.first_step(zero_grad=True)
+        try:
+            with torch.enable_grad():
+                closure()
+        except BaseException:
+            self.restore()
+            raise
+        self.second_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.base_optimizer.load_state_dict(state_dict)

@@ -1,0 +1,105 @@
+"""GeodesicSAM: SAM and ASAM in one class, invariant in the geodesic geometries."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import geosharp
+from geosharp.optim import GeodesicSAM
+from zoo import encoder_case
+
+
+def _closure(model, batch, loss_fn):
+    def closure():
+        loss = loss_fn(model, batch)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("measure", ["euclidean", "adaptive", "geodesic-inv", "geodesic-mix"])
+def test_rho_zero_is_one_step_of_the_base_optimizer(measure):
+    case = encoder_case()
+    case.model.eval()
+    reference = copy.deepcopy(case.model)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    _closure(reference, case.batches[0], case.loss_fn)()
+    sgd.step()
+    opt = GeodesicSAM(case.model, torch.optim.SGD, rho=0.0, measure=measure, lr=0.1, momentum=0.9)
+    opt.step(_closure(case.model, case.batches[0], case.loss_fn))
+    for a, b in zip(case.model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def _ascent_loss(model, measure, batch, loss_fn):
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.05, measure=measure, lr=0.1)
+    _closure(model, batch, loss_fn)()
+    opt.first_step(zero_grad=True)
+    with torch.no_grad():
+        loss = float(loss_fn(model, batch))
+    opt.restore()
+    return loss
+
+
+def test_ascent_loss_is_invariant_for_geodesic_sam_only():
+    case = encoder_case()
+    case.model.eval()
+    other = copy.deepcopy(case.model)
+    geosharp.reparameterize(other, seed=2)
+    batch = case.batches[0]
+    for measure in ("geodesic-inv", "geodesic-mix"):
+        a = _ascent_loss(case.model, measure, batch, case.loss_fn)
+        b = _ascent_loss(other, measure, batch, case.loss_fn)
+        assert b == pytest.approx(a, rel=1e-9)
+    for measure in ("euclidean", "adaptive"):
+        a = _ascent_loss(case.model, measure, batch, case.loss_fn)
+        b = _ascent_loss(other, measure, batch, case.loss_fn)
+        assert abs(a - b) > 1e-4 * abs(a)
+
+
+def test_weights_restored_when_the_second_closure_raises():
+    case = encoder_case()
+    case.model.eval()
+    before = [p.detach().clone() for p in case.model.parameters()]
+    opt = GeodesicSAM(case.model, torch.optim.SGD, rho=0.1, lr=0.1)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        loss = case.loss_fn(case.model, case.batches[0])
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step(closure)
+    for p, q in zip(case.model.parameters(), before):
+        assert torch.equal(p, q)
+    opt.step(_closure(case.model, case.batches[0], case.loss_fn))  # usable again
+
+
+def test_training_with_adamw_and_user_errors():
+    case = encoder_case()
+    case.model.eval()
+    base = torch.optim.AdamW(case.model.parameters(), lr=3e-3)
+    opt = GeodesicSAM(case.model, base, rho=0.05, measure="geodesic-mix")
+    with torch.no_grad():
+        first = float(case.loss_fn(case.model, case.batches[0]))
+    for _ in range(15):
+        opt.step(_closure(case.model, case.batches[0], case.loss_fn))
+    with torch.no_grad():
+        assert float(case.loss_fn(case.model, case.batches[0])) < 0.7 * first
+    assert opt.state_dict()["state"]  # the base optimizer's state
+    with pytest.raises(RuntimeError, match="second_step without first_step"):
+        opt.second_step()
+    with pytest.raises(ValueError, match="round ball"):
+        GeodesicSAM(case.model, torch.optim.SGD, measure="adaptive-linf", lr=0.1)
+    with pytest.raises(ValueError, match="without '-attn'"):
+        GeodesicSAM(case.model, torch.optim.SGD, measure="adaptive-attn", lr=0.1)
+    with pytest.raises(ValueError, match="rho"):
+        GeodesicSAM(case.model, torch.optim.SGD, rho=-1.0, lr=0.1)
