@@ -15,7 +15,7 @@ import geosharp
 
 ROOT = Path(geosharp.__file__).parent
 LAYERS = {"symmetry": 1, "geometry": 2, "measures": 3}
-HELPERS = {"errors", "io", "layout", "params", "progress", "distributed", "options"}
+HELPERS = {"errors", "io", "layout", "params", "progress", "distributed", "options", "vocabulary"}
 
 
 def module_name(path: Path) -> str:

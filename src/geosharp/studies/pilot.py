@@ -165,14 +165,16 @@ def run(args) -> int:
     import torch
 
     from ..io import write_json_atomic
-    from . import zoo
+    from .zoo.presets import SEED_RECIPE
+    from .zoo.tasks import task_for
+    from .zoo.train import train_one
 
     torch.set_num_threads(args.threads)
     out = Path(args.out) / "pilot.json"
-    hp = dict(zoo.SEED_RECIPE, seed=args.seed, id=f"pilot-{args.seed}")
+    hp = dict(SEED_RECIPE, seed=args.seed, id=f"pilot-{args.seed}")
     start = time.time()
-    model, metrics = zoo.train_one(hp, "text", 2000)
-    task = zoo.task_for("text")
+    model, metrics = train_one(hp, "text", 2000)
+    task = task_for("text")
     n = args.n_points
     batches = task.batches(task.train_set(hp), n, n)
     # the 11.7M-row word-embedding table is left unperturbed, as in the text zoos
