@@ -287,6 +287,8 @@ def _endpoint_preset():
         primary={"adaptive": 2.0, "geodesic-inv": 0.5, "geodesic-mix": 2.0},
         secondary={"geodesic-norm-only-inv": "geodesic-inv", "adaptive-attn": "adaptive"},
         average_case=("geodesic-mix",),
+        traces=("hessian-trace-inv",),
+        trace_probes=3,
     )
 
 
@@ -323,7 +325,11 @@ def test_endpoint_population_end_to_end(tmp_path):
         "geodesic-norm-only-inv",
         "adaptive-attn",
         "geodesic-mix/average",
+        "hessian-trace-inv",
     }
+    measured = json.loads((tmp_path / "text" / "measures" / "text-000.json").read_text())
+    trace = measured["measures"]["hessian-trace-inv"]["0.0"]
+    assert len(trace["per_probe"]) == 3 and trace["stderr"] >= 0
     assert study["secondary"]["adaptive-attn"]["rho"] == 2.0 * DEFAULT_RHO["adaptive"]
     # every value recomputes from models.csv
     again = endpoint_study(preset, rows_from_table((rdir / "models.csv").read_text()), "text/test")
@@ -359,7 +365,7 @@ def test_measurement_passes_main_grid_first(tmp_path):
     assert second["geodesic-mix/average"] == [preset.primary_rho("geodesic-mix")]
     assert preset.primary_rho("geodesic-inv") in main["geodesic-inv"]  # on the grid
     small = dataclasses.replace(
-        _endpoint_preset(), n_models=2, secondary={}, average_case=(), target=None
+        _endpoint_preset(), n_models=2, secondary={}, average_case=(), traces=(), target=None
     )
     zoo.train_zoo(small, tmp_path, progress=False)
     zoo.measure_zoo(small, tmp_path, progress=False)
@@ -393,6 +399,7 @@ def test_star_design_population_reports_the_granulated_tau(tmp_path):
         n_models=6,
         secondary={},
         average_case=(),
+        traces=(),
     )
     hps = zoo.sample_hyperparameters(preset)
     assert [(hp["base"], hp["varied"]) for hp in hps] == [

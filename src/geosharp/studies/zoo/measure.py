@@ -158,6 +158,7 @@ def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict
             n_iters=preset.n_iters,
             seed=preset.seed,
             complete=False,
+            trace_probes=preset.trace_probes,
             **kwargs,
         )
 
@@ -172,19 +173,43 @@ def measure_grid(
     n_iters: int,
     seed: int,
     complete: bool = True,
+    trace_probes: int = 30,
     **sharpness_kwargs,
 ) -> dict:
     """Fill ``record["measures"][key][repr(rho)]`` (value, per-batch values, loss,
     per-batch losses) for every ``(key, rho)`` of ``grid`` not in it yet, rewriting
     ``path`` atomically after each; then (``complete``) mark the record complete.
 
-    A key is a measure's name (worst case, ``n_iters`` Auto-PGD steps) or
-    ``"<name>/average"`` (its average case, :class:`~geosharp.AverageCase`)."""
-    from ...measures import AverageCase, WorstCase, sharpness
+    A key is a measure's name (worst case, ``n_iters`` Auto-PGD steps),
+    ``"<name>/average"`` (its average case, :class:`~geosharp.AverageCase`), or a
+    Hessian trace of :data:`~geosharp.measures.HESSIAN_TRACES` (``trace_probes``
+    probes; its one "radius" is 0, and it keeps ``stderr`` and ``per_probe``)."""
+    from ...measures import HESSIAN_TRACES, AverageCase, WorstCase, hessian_trace, sharpness
 
     results = record.setdefault("measures", {})
     for key, radii in grid.items():
         per_rho = results.setdefault(key, {})
+        if key in HESSIAN_TRACES:
+            if repr(0.0) not in per_rho:
+                kwargs = {k: v for k, v in sharpness_kwargs.items() if k == "parameters"}
+                trace = hessian_trace(
+                    model,
+                    batches,
+                    loss_fn,
+                    HESSIAN_TRACES[key],
+                    n_probes=trace_probes,
+                    seed=seed,
+                    **kwargs,
+                )
+                per_rho[repr(0.0)] = dict(
+                    value=trace.value,
+                    stderr=trace.stderr,
+                    per_probe=trace.per_probe,
+                    loss=trace.loss,
+                    per_batch=[],
+                )
+                write_json_atomic(path, record)
+            continue
         name, _, kind = key.partition("/")
         estimator = AverageCase() if kind == "average" else WorstCase(n_iters)
         for rho in radii:

@@ -82,6 +82,10 @@ class ZooPreset:
     secondary: dict[str, str] = field(default_factory=dict)
     # main measures also measured in the average case at their primary radius
     average_case: tuple[str, ...] = ()
+    # Hessian traces (geosharp.measures.HESSIAN_TRACES) in the secondary pass, and the
+    # Hutchinson probes of each
+    traces: tuple[str, ...] = ()
+    trace_probes: int = 30
     # the recipe of the one pre-trained model every model starts from (tasks with one)
     pretrain: dict = field(default_factory=dict)
     # "random": every model draws every axis; "star": base configurations and their
@@ -100,6 +104,7 @@ class ZooPreset:
         main = {name: self.rho_grid(name) for name in self.measures}
         second = {name: [self.primary_rho(base)] for name, base in self.secondary.items()}
         second |= {f"{name}/average": [self.primary_rho(name)] for name in self.average_case}
+        second |= {name: [0.0] for name in self.traces}  # a trace has no radius
         return [main, second] if second else [main]
 
     def rho_grid(self, measure: str) -> list[float]:

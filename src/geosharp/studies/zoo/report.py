@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import UsageError
 from ...io import write_json_atomic, write_text_atomic
-from ...measures.catalog import PAPER_TABLE
+from ...measures.catalog import HESSIAN_TRACES, PAPER_TABLE
 from ..endpoints import Protocol, endpoints, format_endpoints, plot_tau_curves, tau_curves
 from ..figures import require_matplotlib
 from ..stats import granulated_tau, kendall_tau_with_ci, split_half, tau_difference
@@ -360,10 +360,11 @@ def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> s
         for rho in radii
     ]
     n_batches = 0
+    batched = [(m, k) for m, k in columns if m not in HESSIAN_TRACES]
     if preset.target is not None:
-        n_batches = min(len(r["measures"][m][k]["per_batch"]) for r in records for m, k in columns)
+        n_batches = min(len(r["measures"][m][k]["per_batch"]) for r in records for m, k in batched)
     header = ["id", *axes, *metrics, *baselines, *(f"{m}@{r}" for m, r in columns)]
-    header += [f"{m}@{r}/{b}" for m, r in columns for b in range(n_batches)]
+    header += [f"{m}@{r}/{b}" for m, r in batched for b in range(n_batches)]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
@@ -373,7 +374,7 @@ def models_table(preset: ZooPreset, metas: list[dict], records: list[dict]) -> s
         row += [record["baselines"][k] for k in baselines]
         row += [record["measures"][m][r]["value"] for m, r in columns]
         row += [
-            record["measures"][m][r]["per_batch"][b] for m, r in columns for b in range(n_batches)
+            record["measures"][m][r]["per_batch"][b] for m, r in batched for b in range(n_batches)
         ]
         writer.writerow(row)
     return buffer.getvalue()
@@ -488,13 +489,15 @@ def granulated_study(preset: ZooPreset, rows: list[dict], study: dict) -> dict:
 
 
 def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
-    """Each secondary measure and average case at its main measure's primary radius:
-    tau with the gap, the paired difference ``tau(main) - tau(secondary)`` at that
-    radius (does the ablated term matter?) and the median ratio of their values. Empty
-    until every row has the secondary pass."""
+    """Each secondary measure and average case at its main measure's primary radius,
+    and each Hessian trace beside its geometry's main measure there: tau with the gap,
+    the paired difference ``tau(main) - tau(secondary)`` (does the ablated term
+    matter? does worst-case sharpness rank better than curvature?) and the median
+    ratio of their values. Empty until every row has the secondary pass."""
     if len(preset.passes()) < 2:
         return {}
     keys = dict(preset.secondary) | {f"{m}/average": m for m in preset.average_case}
+    keys |= {t: HESSIAN_TRACES[t] for t in preset.traces if HESSIAN_TRACES[t] in preset.primary}
     if not all(key in r["measures"] for r in rows for key in keys):
         return {}
     gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
@@ -502,7 +505,8 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     out = {}
     for key, base in keys.items():
         rho = preset.primary_rho(base)
-        v = np.array([r["measures"][key][rho] for r in rows], dtype=np.float64)
+        at = 0.0 if key in HESSIAN_TRACES else rho
+        v = np.array([r["measures"][key][at] for r in rows], dtype=np.float64)
         ref = np.array([r["measures"][base][rho] for r in rows], dtype=np.float64)
         ci = kendall_tau_with_ci(v, gap, **boot)
         diff = tau_difference(ref, v, gap, **boot)
