@@ -20,8 +20,9 @@ from .store import check_preset
 from .train import train_zoo
 
 DESCRIPTION = (
-    "Model zoos (vision: ViTs on Fashion-MNIST, text: MiniLM on Rotten Tomatoes): train, "
-    "measure and report; every step resumes where a killed run stopped."
+    "Model zoos (vision: ViTs on Fashion-MNIST, text: MiniLM on Rotten Tomatoes, "
+    "vision-finetune: fine-tunes of one pre-trained ViT): pilot, train, measure and report; "
+    "every step resumes where a killed run stopped."
 )
 
 
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted({name for _, name in PRESETS}),
         default="smoke",
-        help="smoke, full, or seeds (text only: the seed population); (smoke)",
+        help="smoke, full (vision, text, vision-finetune), seeds or hparams (text: the "
+        "seed and hyperparameter populations); (smoke)",
     )
     p.add_argument("--pilot-models", type=positive_int, default=2, help="models in the pilot (2)")
     p.add_argument("--out", default="runs/zoo", help="results directory (runs/zoo)")

@@ -293,14 +293,16 @@ VISION_FINETUNE = ZooPreset(
     zoo="vision-finetune",
     n_models=40,
     axes=dict(
-        lr=[1e-4, 3e-4, 1e-3],
+        lr=[3e-4, 1e-3, 2e-3],
         weight_decay=[0.0, 0.05, 0.2],
-        epochs=[4, 8, 16],
+        epochs=[16, 32],
         batch_size=[32, 64, 128],
-        augment=["none", "shift", "shift+flip"],
         label_smoothing=[0.0, 0.1],
     ),
-    fixed=dict(FINETUNE_ARCH, n_train=4096, label_noise=0.0),
+    # no augmentation: with random shifts the fine-tunes stay at 5-6% training error
+    # (checked on three recipes before any population model was trained), above the
+    # inclusion rule; without, the slowest corner of the axes reaches 3.0%
+    fixed=dict(FINETUNE_ARCH, n_train=4096, label_noise=0.0, augment="none"),
     pretrain=dict(
         lr=1e-3,
         weight_decay=0.05,
@@ -316,6 +318,7 @@ VISION_FINETUNE = ZooPreset(
     n_iters=20,
     measures=MAIN_MEASURES,
     rho_factors=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    traces=("hessian-trace-adaptive", "hessian-trace-inv", "hessian-trace-mix"),
     seed=2,
 )
 VISION_FINETUNE_SMOKE = ZooPreset(
