@@ -453,3 +453,29 @@ def test_word_dropout_replaces_only_ordinary_tokens():
     assert 0.4 < dropped[:, 1:4].float().mean() < 0.6
     same = task.batch(data, slice(0, 200), dict(word_dropout=0.5))["input_ids"]
     assert torch.equal(same, ids[:, :5])  # no generator: evaluation, no dropout
+
+
+def test_pilot_of_the_fine_tune_population(tmp_path):
+    """The pilot pre-trains once, trains models drawn from another seed than the
+    population's, and records ratios along a doubling grid and the maximiser check."""
+    from geosharp.cli import main
+    from geosharp.studies.zoo.pilot import pilot_hyperparameters
+
+    preset = zoo.get_preset("vision-finetune", "smoke")
+    pilots = pilot_hyperparameters(preset, 2)
+    population = zoo.sample_hyperparameters(preset)
+    assert not {hp["seed"] for hp in pilots} & {hp["seed"] for hp in population}
+    args = ["zoo", "pilot", "--zoo", "vision-finetune", "--preset", "smoke", "--out", str(tmp_path)]
+    assert main([*args, "--pilot-models", "1", "--no-progress"]) == 0
+    root = tmp_path / "vision-finetune"
+    meta = json.loads((root / "pretrained" / "meta.json").read_text())
+    assert meta["data"].endswith("classes 0,1,2,3,4")
+    record = json.loads((root / "pilot" / "pilot-000.json").read_text())
+    for name in zoo.MAIN_MEASURES:
+        entry = record["radius_pilot"][name]
+        assert len(entry["ratio"]) == len(entry["factors"]) - 1
+        assert record["maximiser"][name]["starts"] == 3
+    assert "| adaptive | pilot-000 |" in (root / "pilot" / "pilot.md").read_text()
+    before = (root / "pilot" / "pilot-000.json").stat().st_mtime_ns
+    assert main([*args, "--pilot-models", "1", "--no-progress"]) == 0  # resumes: nothing to do
+    assert (root / "pilot" / "pilot-000.json").stat().st_mtime_ns == before
