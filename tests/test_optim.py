@@ -103,3 +103,22 @@ def test_training_with_adamw_and_user_errors():
         GeodesicSAM(case.model, torch.optim.SGD, measure="adaptive-attn", lr=0.1)
     with pytest.raises(ValueError, match="rho"):
         GeodesicSAM(case.model, torch.optim.SGD, rho=-1.0, lr=0.1)
+
+
+def test_manual_steps_with_autocast_and_gradient_clipping():
+    case = encoder_case(torch.float32)
+    case.model.eval()
+    opt = GeodesicSAM(case.model, torch.optim.SGD, rho=0.05, lr=0.05)
+    before = [p.detach().clone() for p in case.model.parameters()]
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            case.loss_fn(case.model, case.batches[0]).backward()
+        norm = opt.first_step(zero_grad=True)
+        assert norm > 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            case.loss_fn(case.model, case.batches[0]).backward()
+        torch.nn.utils.clip_grad_norm_(case.model.parameters(), 1.0)
+        opt.second_step(zero_grad=True)
+    assert all(p.dtype == torch.float32 for p in case.model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(case.model.parameters(), before))
+    assert all(torch.isfinite(p).all() for p in case.model.parameters())
