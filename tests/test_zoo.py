@@ -479,3 +479,16 @@ def test_pilot_of_the_fine_tune_population(tmp_path):
     before = (root / "pilot" / "pilot-000.json").stat().st_mtime_ns
     assert main([*args, "--pilot-models", "1", "--no-progress"]) == 0  # resumes: nothing to do
     assert (root / "pilot" / "pilot-000.json").stat().st_mtime_ns == before
+
+
+def test_report_before_three_models_pass_says_so(tmp_path):
+    """A report while the population is being measured: no endpoints, no traceback."""
+    preset = dataclasses.replace(
+        _endpoint_preset(), n_models=2, secondary={}, average_case=(), traces=()
+    )
+    zoo.train_zoo(preset, tmp_path, progress=False)
+    zoo.measure_zoo(preset, tmp_path, progress=False)
+    zoo.report_zoo(preset, tmp_path)
+    rdir = tmp_path / "text" / "report"
+    assert "endpoints need at least 3" in (rdir / "report.md").read_text()
+    assert not (rdir / "endpoints.json").exists()

@@ -327,11 +327,20 @@ def report_zoo(
     table = models_table(preset, metas, records)
     text = format_report(summary, [str(f) for f in figures])
     if preset.target is not None:
-        study = endpoint_study(preset, rows_from_table(table), population or preset.zoo)
-        write_json_atomic(rdir / "endpoints.json", study)
-        plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png")
-        text = format_endpoints(study, "tau_curves.png") + "\n" + text
-        summary["endpoints"] = study
+        rows = rows_from_table(table)
+        included = sum(r["train_error"] <= preset.max_train_error for r in rows)
+        if included >= 3:
+            study = endpoint_study(preset, rows, population or preset.zoo)
+            write_json_atomic(rdir / "endpoints.json", study)
+            plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png")
+            text = format_endpoints(study, "tau_curves.png") + "\n" + text
+            summary["endpoints"] = study
+        else:
+            text = (
+                f"# Pre-registered endpoints: not computed\n\n{included} measured model(s) "
+                f"pass the inclusion rule (training error at most {preset.max_train_error:g}); "
+                "the endpoints need at least 3.\n\n" + text
+            )
     write_json_atomic(rdir / "summary.json", summary)
     write_text_atomic(rdir / "models.csv", table)
     write_text_atomic(rdir / "report.md", text)
