@@ -33,10 +33,10 @@ from geosharp.studies.zoo.tasks import VisionTask
 
 METHODS = {  # name -> (GeodesicSAM measure or None for AdamW, radius grid)
     "adamw": (None, [0.0]),
-    "sam": ("euclidean", [0.02, 0.05, 0.1]),
-    "asam": ("adaptive", [0.2, 0.5, 1.0]),
-    "geodesic-sam-inv": ("geodesic-inv", [0.2, 0.5, 1.0]),
-    "geodesic-sam-mix": ("geodesic-mix", [0.02, 0.05, 0.1]),
+    "sam": ("euclidean", [0.005, 0.01, 0.02, 0.05]),
+    "asam": ("adaptive", [0.05, 0.1, 0.2, 0.5]),
+    "geodesic-sam-inv": ("geodesic-inv", [0.02, 0.05, 0.1, 0.2]),
+    "geodesic-sam-mix": ("geodesic-mix", [0.002, 0.005, 0.01, 0.02]),
 }
 T_975 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}
 
