@@ -424,3 +424,30 @@ def test_geometry_named_rejects_bad_arguments():
         Geometry.named("geodesic", metric="mix", eps=1e-3)
     with pytest.raises(ValueError):
         PerturbationSpace(network().theta[:-1], network().layout, [], Geometry.named("adaptive"))
+
+
+@pytest.mark.parametrize("name", ["adaptive", "geodesic", "geodesic-curvature-only"])
+def test_refresh_equals_a_new_space_after_an_in_place_update(name):
+    """A space over the model's own tensors, refreshed after they change in place,
+    acts as a space built at the new point (pair states, frozen entries, cached scale)."""
+    from zoo import encoder_case
+
+    model = encoder_case().model
+    named = list(model.named_parameters())
+    layout = ParameterLayout.from_named(named)
+    pairs = find_symmetries(model).pairs
+    geo = Geometry.named(name, "inv")
+    view = {n: p.detach() for n, p in named}
+    space = PerturbationSpace(view, layout, pairs, geo, cache_scale=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3).add_(0.01)
+        named[0][1][0].zero_()  # entries become frozen
+    fresh = PerturbationSpace({n: p.detach() for n, p in named}, layout, pairs, geo)
+    space.refresh()
+    gen = torch.Generator().manual_seed(0)
+    xi = torch.randn(layout.numel, generator=gen, dtype=torch.float64)
+    assert space.inner(xi, xi) == pytest.approx(float(fresh.inner(xi, xi)), rel=1e-12)
+    assert torch.allclose(space.proju(xi), fresh.proju(xi), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(space.egrad2rgrad(xi), fresh.egrad2rgrad(xi), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(space.retr(1e-3 * xi), fresh.retr(1e-3 * xi), rtol=1e-12, atol=1e-14)

@@ -99,10 +99,12 @@ class GeodesicSAM(torch.optim.Optimizer):
         self.defaults.update(self.base_optimizer.defaults)
         self.rho = float(rho)
         self._saved: Tensor | None = None  # w while the weights are at the ascent point
+        # over views of the weights: refreshed at each step, its pair stacking kept
+        theta = {n: p.detach() for n, p in self._named}
+        self._space_at_w = PerturbationSpace(theta, self._layout, self._pairs, self.geometry)
 
     def _space(self) -> PerturbationSpace:
-        theta = {n: p.detach() for n, p in self._named}
-        return PerturbationSpace(theta, self._layout, self._pairs, self.geometry)
+        return self._space_at_w.refresh()
 
     @torch.no_grad()
     def first_step(self, zero_grad: bool = False) -> float:

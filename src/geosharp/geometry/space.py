@@ -281,10 +281,8 @@ class PerturbationSpace:
         self.geometry = geometry
         use_pairs = geometry.metric is not None
         self.blocks = stack_pairs(pairs, layout, self.device) if use_pairs else []
-        for block in self.blocks:
-            state = geometry.metric.state(*block.gather_params(params))
-            block.state = restrict_state(state, block.group)
         self._metric_blocks = self.blocks if geometry.metric_ball else []
+        self._set_states(params)
 
         # Element-wise scale c: |theta| (relative) or 1; entries below sqrt(tiny) are
         # frozen (1/c would overflow and c^2 underflow), and so, for the element-wise
@@ -306,6 +304,26 @@ class PerturbationSpace:
         self._cached_scale = None
         if cache_scale and not self._trivial:
             self._cached_scale = self.scale  # one vector more, one pass less per use
+
+    def _set_states(self, params: dict[str, Tensor]) -> None:
+        for block in self.blocks:
+            state = self.geometry.metric.state(*block.gather_params(params))
+            block.state = restrict_state(state, block.group)
+
+    def refresh(self) -> PerturbationSpace:
+        """Recompute what depends on the values of ``theta`` (the pair states, the frozen
+        entries, a cached scale) after the tensors it views were updated in place, e.g.
+        by an optimizer step: cheaper than a new space, whose pair stacking and layout
+        stay the same. Returns the space."""
+        params = self._params()
+        self._set_states(params)
+        for part in self._parts:
+            if not self._unit and part.pairs is not True:
+                part.frozen = bool(self._frozen_mask(part.theta, part.pairs).any())
+        if self._cached_scale is not None:
+            self._cached_scale = None
+            self._cached_scale = self.scale
+        return self
 
     # -- the base point, piece by piece --------------------------------------------------
 
