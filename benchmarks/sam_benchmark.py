@@ -151,6 +151,42 @@ def markdown(summary: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_steps(sets, args, n_steps: int) -> dict:
+    """Milliseconds per step of every method (its middle radius), side by side in one
+    process on the same batches, interleaved in rounds so that load changes hit all
+    methods alike; the median over rounds."""
+    (x, y), *_ = sets
+    methods = {}
+    for method, (measure, grid) in METHODS.items():
+        model = tiny_vit(28, 1, 10, 7, hidden=32, layers=2, heads=4, mlp=64, seed=0)
+        if measure is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        else:
+            rho = grid[len(grid) // 2]
+            opt = GeodesicSAM(model, torch.optim.AdamW, rho=rho, measure=measure, lr=args.lr)
+        methods[method] = (model, opt, measure)
+    xb, yb = x[: args.batch_size], y[: args.batch_size]
+    times = {m: [] for m in methods}
+    for _ in range(n_steps):
+        for method, (model, opt, measure) in methods.items():
+
+            def closure(model=model):
+                loss = F.cross_entropy(model(pixel_values=xb).logits, yb)
+                loss.backward()
+                return loss
+
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            if measure is None:
+                closure()
+                opt.step()
+            else:
+                opt.step(closure)
+            times[method].append(time.perf_counter() - start)
+    ms = {m: 1000 * float(np.median(t[1:])) for m, t in times.items()}
+    return {m: dict(ms_per_step=v, vs_adamw=v / ms["adamw"]) for m, v in ms.items()}
+
+
 def figure(summary: dict, path: Path) -> None:
     """Test accuracy with its 95% interval, one bar per method."""
     from geosharp.studies.figures import require_matplotlib, save_png
@@ -187,8 +223,17 @@ def main() -> None:
     p.add_argument("--wd", type=float, default=0.05)
     p.add_argument("--n-train", type=int, default=1000)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--time-steps", type=int, default=0, help="only time N steps of every method")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.time_steps:
+        timing = time_steps(data(args.n_train, 1000, 5000), args, args.time_steps)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "timing.json", dict(settings=vars(args), methods=timing))
+        for m, t in timing.items():
+            print(f"{m:<20} {t['ms_per_step']:7.2f} ms/step  {t['vs_adamw']:.2f}x AdamW")
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
