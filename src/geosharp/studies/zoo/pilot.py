@@ -17,6 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ...data import move_batch
@@ -28,7 +29,7 @@ from .store import my_share, read_json, zoo_dir
 from .tasks import task_for
 from .train import prepare, train_one
 
-__all__ = ["PILOT_FACTORS", "format_pilot", "pilot_zoo"]
+__all__ = ["PILOT_FACTORS", "format_pilot", "pilot_zoo", "propose_protocol"]
 
 PILOT_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 PILOT_SEED_OFFSET = 1000  # pilot models draw from preset.seed + this: not in the population
@@ -125,4 +126,40 @@ def format_pilot(records: list[dict], min_ratio: float = 3.0) -> str:
                 f"{'none' if factor is None else f'{factor:g}'} | "
                 f"{check['move_long']:.2%} | {check['move_starts']:.2%} |"
             )
+    if any(records):
+        proposal = propose_protocol(records, min_ratio)
+        lines += ["", f"Proposed (`propose_protocol`): target {proposal.pop('target'):g}; "]
+        lines[-1] += "; ".join(
+            f"{m} primary x{p['primary']:g}, grid x{', x'.join(f'{g:g}' for g in p['grid'])}"
+            for m, p in proposal.items()
+        )
     return "\n".join(lines) + "\n"
+
+
+def propose_protocol(records: list[dict], min_ratio: float = 3.0) -> dict:
+    """The rule that turns a pilot into a population's protocol, fixed in code:
+
+    * per measure, the **primary factor** is the largest over the pilot models of the
+      first factor whose ratio ``s(2 rho)/s(rho)`` reaches ``min_ratio`` (the last
+      factor if none does); its **grid** is that factor times 1/4, 1/2, 1 and 2, so
+      the linear regime and the curved one are both on it;
+    * the **calibration target** is the geometric mean over measures of the median
+      (over models) loss increase at the primary factor, to one significant digit.
+
+    >>> entry = {"factors": [1, 2, 4, 8], "ratio": [2.1, 2.5, 3.2], "value": [.01, .02, .05, .16]}
+    >>> propose_protocol([{"radius_pilot": {"adaptive": entry}}])["adaptive"]["grid"]
+    [1.0, 2.0, 4.0, 8.0]
+    """
+    records = [r for r in records if r]
+    out: dict = {}
+    increases = []
+    for name in records[0]["radius_pilot"]:
+        entries = [r["radius_pilot"][name] for r in records]
+        factors = [primary_factor(e, min_ratio) or e["factors"][-1] for e in entries]
+        primary = max(factors)
+        at = [e["value"][e["factors"].index(primary)] for e in entries]
+        increases.append(float(np.median(at)))
+        out[name] = dict(primary=primary, grid=[primary * f for f in (0.25, 0.5, 1.0, 2.0)])
+    mean = float(np.exp(np.mean(np.log(increases))))
+    out["target"] = float(f"{mean:.1g}")
+    return out
