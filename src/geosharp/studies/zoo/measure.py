@@ -125,9 +125,26 @@ def measure_zoo(
     return done_ids
 
 
-def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict, device) -> None:
+@contextlib.contextmanager
+def measurement_setting(preset: ZooPreset, model, batches):
+    """What every measure of the preset sees: yields ``(batches, kwargs)``, the batches
+    (with the token-embedding table restricted to their rows while the block lasts,
+    when ``measure_vocabulary == "batch"``) and the keywords of the measure (the
+    parameters left unperturbed by ``frozen_in_measure``)."""
     from ...vocabulary import compact_vocabulary
 
+    kwargs = {}
+    if preset.frozen_in_measure:
+        frozen = set(preset.frozen_in_measure)
+        kwargs["parameters"] = [n for n, _ in model.named_parameters() if n not in frozen]
+    if preset.measure_vocabulary != "batch":
+        yield batches, kwargs
+        return
+    with compact_vocabulary(model, batches, task_for(preset.zoo).embedding) as compact:
+        yield compact, kwargs
+
+
+def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict, device) -> None:
     task = task_for(preset.zoo)
     record = read_json(path)
     record.setdefault("id", hp["id"])
@@ -139,20 +156,16 @@ def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict
         record["baselines"] = model_baselines(preset, hp, model, device=device)
         write_json_atomic(path, record)
     batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
-    kwargs = {}
     if preset.frozen_in_measure:
-        frozen = set(preset.frozen_in_measure)
-        kwargs["parameters"] = [n for n, _ in model.named_parameters() if n not in frozen]
-        record.setdefault("unperturbed_parameters", sorted(frozen))
-    with contextlib.ExitStack() as stack:
+        record.setdefault("unperturbed_parameters", sorted(preset.frozen_in_measure))
+    with measurement_setting(preset, model, batches) as (measured, kwargs):
         if preset.measure_vocabulary == "batch":
-            batches = stack.enter_context(compact_vocabulary(model, batches, task.embedding))
             record.setdefault("embedding_rows", model.get_submodule(task.embedding).num_embeddings)
         measure_grid(
             record,
             path,
             model,
-            batches,
+            measured,
             task.loss,
             grid,
             n_iters=preset.n_iters,

@@ -12,7 +12,6 @@ errors are stored but are not the population's gaps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from ...data import move_batch
 from ...io import write_json_atomic
 from ..pilot import maximiser_check, primary_factor, radius_pilot
-from .measure import measurement_batches
+from .measure import measurement_batches, measurement_setting
 from .presets import ZooPreset, sample_hyperparameters
 from .store import my_share, read_json, zoo_dir
 from .tasks import task_for
@@ -53,7 +52,6 @@ def pilot_zoo(
 ) -> list[dict]:
     """Train and measure the pilot models not done yet; returns every pilot record."""
     from ...progress import Progress
-    from ...vocabulary import compact_vocabulary
 
     prepare(preset, out, device=device)
     task = task_for(preset.zoo)
@@ -65,10 +63,6 @@ def pilot_zoo(
         start = time.time()
         model, metrics = train_one(hp, preset.zoo, preset.n_test, device=device)
         batches = [move_batch(b, device) for b in measurement_batches(preset, hp)]
-        kwargs = {}
-        if preset.frozen_in_measure:
-            frozen = set(preset.frozen_in_measure)
-            kwargs["parameters"] = [n for n, _ in model.named_parameters() if n not in frozen]
         record = dict(
             hyperparameters=hp,
             metrics=metrics,
@@ -76,12 +70,7 @@ def pilot_zoo(
             batch_size=preset.measure_batch,
             n_iters=preset.n_iters,
         )
-        restrict = preset.measure_vocabulary == "batch"
-        with (
-            compact_vocabulary(model, batches, task.embedding)
-            if restrict
-            else contextlib.nullcontext(batches)
-        ) as measured:
+        with measurement_setting(preset, model, batches) as (measured, kwargs):
             pilot = radius_pilot(
                 model, measured, task.loss, preset.measures, factors, preset.n_iters, **kwargs
             )
