@@ -118,8 +118,13 @@ def summarise(rows: list[dict], seeds: list[int]) -> dict:
         rho = max(grid, key=lambda r: np.mean([x["val_acc"] for x in by_rho[r]]))
         test = np.array([x["test_acc"] for x in by_rho[rho]])
         half = T_975.get(len(test), 1.96) * test.std(ddof=1) / math.sqrt(len(test))
+        base = {x["seed"]: x["test_acc"] for x in rows if x["method"] == "adamw"}
+        paired = np.array([x["test_acc"] - base[x["seed"]] for x in by_rho[rho]])
+        half_d = T_975.get(len(paired), 1.96) * paired.std(ddof=1) / math.sqrt(len(paired))
         out[method] = dict(
             rho=rho,
+            minus_adamw=float(paired.mean()),
+            minus_adamw_ci=[float(paired.mean() - half_d), float(paired.mean() + half_d)],
             val_acc={repr(r): float(np.mean([x["val_acc"] for x in v])) for r, v in by_rho.items()},
             test_acc=float(test.mean()),
             ci=[float(test.mean() - half), float(test.mean() + half)],
@@ -140,13 +145,15 @@ def markdown(summary: dict, args) -> str:
         "accuracy on 5,000 test images, mean over seeds with a 95% t-interval. "
         "Produced by `benchmarks/sam_benchmark.py`.",
         "",
-        "| method | radius | test accuracy | train accuracy | time per step vs AdamW |",
-        "|---|---|---|---|---|",
+        "| method | radius | test accuracy | minus AdamW, paired by seed | train accuracy "
+        "| time per step vs AdamW |",
+        "|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         lines.append(
             f"| {method} | {s['rho']:g} | {s['test_acc']:.4f} [{s['ci'][0]:.4f}, {s['ci'][1]:.4f}] "
-            f"| {s['train_acc']:.4f} | {s['time_vs_adamw']:.2f}x |"
+            f"| {s['minus_adamw']:+.4f} [{s['minus_adamw_ci'][0]:+.4f}, "
+            f"{s['minus_adamw_ci'][1]:+.4f}] | {s['train_acc']:.4f} | {s['time_vs_adamw']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 
