@@ -317,8 +317,20 @@ VISION_FINETUNE = ZooPreset(
     measure_batch=256,
     n_iters=20,
     measures=MAIN_MEASURES,
-    rho_factors=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    # fixed by its pilot (docs/results/study/finetune-pilot, propose_protocol) before
+    # any population model was trained
+    rho_factors={
+        "adaptive": (2.0, 4.0, 8.0, 16.0),
+        "geodesic-inv": (0.25, 0.5, 1.0, 2.0),
+        "geodesic-mix": (0.5, 1.0, 2.0, 4.0),
+    },
+    target=0.01,
+    primary={"adaptive": 8.0, "geodesic-inv": 1.0, "geodesic-mix": 2.0},
+    secondary=TEXT_SEEDS.secondary,
+    average_case=MAIN_MEASURES,
     traces=("hessian-trace-adaptive", "hessian-trace-inv", "hessian-trace-mix"),
+    measure_vocabulary="full",
+    baselines=True,
     seed=2,
 )
 VISION_FINETUNE_SMOKE = ZooPreset(
