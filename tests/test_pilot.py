@@ -58,7 +58,7 @@ def test_pilot_command_writes_its_record(tmp_path, monkeypatch, capsys):
         model = zoo.MeanPoolClassifier(BertModel(config, add_pooling_layer=False)).eval()
         return model, {"train_error": 0.5, "hyperparameters": hp}
 
-    monkeypatch.setattr(zoo, "train_one", tiny_train_one)
+    monkeypatch.setattr(zoo.train, "train_one", tiny_train_one)  # what the pilot imports
     argv = ["study", "pilot", "--out", str(tmp_path), "--factors", "1", "2", "--n-points", "8"]
     assert main([*argv, "--n-iters", "2", "--long-iters", "3", "--starts", "2"]) == 0
     record = json.loads((tmp_path / "pilot.json").read_text())
