@@ -76,6 +76,10 @@ def _measured(record: dict, preset: ZooPreset) -> bool:
     return not any(missing(record, grid) for grid in preset.passes())
 
 
+def _done(record: dict, preset: ZooPreset) -> bool:
+    return bool(record.get("complete")) and _measured(record, preset)
+
+
 def measure_zoo(
     preset: ZooPreset,
     out: str | Path,
@@ -103,17 +107,13 @@ def measure_zoo(
             hp
             for hp in sample_hyperparameters(preset)
             if model_complete(zdir / "models" / hp["id"])
-            and not _measured(read_json(mdir / f"{hp['id']}.json"), preset)
+            and not _done(read_json(mdir / f"{hp['id']}.json"), preset)
         ]
     )
     passes = preset.passes()
-    for i, grid in enumerate(passes):
-        todo = [hp for hp in pending if missing(read_json(mdir / f"{hp['id']}.json"), grid)]
-        desc = f"measure {preset.zoo}" + (f" ({i + 1}/{len(passes)})" if len(passes) > 1 else "")
-        for hp in Progress(todo, desc=desc, unit="model", enabled=progress):
-            _measure_one(preset, hp, mdir / f"{hp['id']}.json", zdir, grid, device)
     done_ids = []
-    for hp in pending:
+
+    def finish(hp: dict) -> None:  # a model whose every pass is in: mark it complete
         path = mdir / f"{hp['id']}.json"
         record = read_json(path)
         if not record.get("complete"):
@@ -122,6 +122,18 @@ def measure_zoo(
         done_ids.append(hp["id"])
         if on_model_done is not None:
             on_model_done(hp["id"])
+
+    for i, grid in enumerate(passes):
+        todo = [hp for hp in pending if missing(read_json(mdir / f"{hp['id']}.json"), grid)]
+        desc = f"measure {preset.zoo}" + (f" ({i + 1}/{len(passes)})" if len(passes) > 1 else "")
+        for hp in Progress(todo, desc=desc, unit="model", enabled=progress):
+            path = mdir / f"{hp['id']}.json"
+            _measure_one(preset, hp, path, zdir, grid, device)
+            if _measured(read_json(path), preset):
+                finish(hp)
+    for hp in pending:  # measured before (e.g. by a run killed before marking them)
+        if hp["id"] not in done_ids:
+            finish(hp)
     return done_ids
 
 
