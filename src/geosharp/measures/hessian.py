@@ -149,13 +149,18 @@ def hessian_trace(
             if all(g is None for g in grads):
                 raise ValueError("the loss does not depend on the parameters to measure")
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-            flat_grad = torch.cat([g.detach().reshape(-1) for g in grads])
+            # the Christoffel term <grad f, a(z)>; a = 0 on a straight step
+            flat_grad = (
+                None if space.straight else torch.cat([g.detach().reshape(-1) for g in grads])
+            )
             curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
             for k in range(n_probes):
                 generator = torch.Generator(device=target.device)
                 z = space.random(generator.manual_seed(_batch_seed(seed, k)))
                 views = layout.unflatten(z)
-                total = float(space.dot(flat_grad, space.acceleration(z)))  # Christoffel
+                total = 0.0
+                if flat_grad is not None:
+                    total = float(space.dot(flat_grad, space.acceleration(z)))
                 if curved:  # else the loss is linear in the parameters
                     directional = sum((g * views[n]).sum() for n, g, _ in curved)
                     hz = torch.autograd.grad(

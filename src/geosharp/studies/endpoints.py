@@ -36,6 +36,7 @@ __all__ = [
     "endpoints",
     "format_endpoints",
     "plot_tau_curves",
+    "split_included",
     "tau_curves",
 ]
 
@@ -96,6 +97,17 @@ def _exclusions(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str
     return excluded
 
 
+def split_included(
+    rows: Sequence[dict], protocol: Protocol, measures: Sequence[str]
+) -> tuple[list[dict], list[dict]]:
+    """The inclusion rule: ``(kept rows, excluded)``, each exclusion ``{id, reason}``
+    (training error above ``protocol.max_train_error``, or a measure missing or not
+    finite)."""
+    excluded = _exclusions(rows, protocol, measures)
+    out_ids = {e["id"] for e in excluded}
+    return [r for r in rows if r["id"] not in out_ids], excluded
+
+
 def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str]) -> dict:
     """The study's endpoints from one row per model.
 
@@ -104,9 +116,7 @@ def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str])
     measure must have the same grid *factors* on every model (radii may differ between
     measures). Returns the ``endpoints.json`` dictionary.
     """
-    excluded = _exclusions(rows, protocol, measures)
-    out_ids = {e["id"] for e in excluded}
-    kept = [r for r in rows if r["id"] not in out_ids]
+    kept, excluded = split_included(rows, protocol, measures)
     if len(kept) < 3:
         raise ValueError(f"{len(kept)} models pass the inclusion rule; a rank study needs more")
     gap = np.array([r["error_gap"] for r in kept], dtype=np.float64)
@@ -235,7 +245,8 @@ def _ci(value: float, ci: Sequence[float]) -> str:
 
 def format_endpoints(study: dict, curves_png: str | None = None) -> str:
     """The Markdown section of a report for an :func:`endpoints` result (with the
-    optional ``split_half`` and ``spread`` entries a population report adds)."""
+    optional ``secondary``, ``granulated``, ``split_half`` and ``spread`` entries a
+    population report adds)."""
     p = study["protocol"]
     lines = [
         f"# Pre-registered endpoints: {study['population']}",

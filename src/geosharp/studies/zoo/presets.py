@@ -7,6 +7,7 @@ endpoint); ``PRESETS`` is the one table the command line, the docs and the tests
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,14 +98,28 @@ class ZooPreset:
 
         return float(DEFAULT_RHO[measure] * self.primary[measure])
 
+    def secondary_keys(self) -> dict[str, str]:
+        """The secondary pass: each key (as in
+        :func:`~geosharp.studies.zoo.measure.measure_grid`) -> the main measure it is
+        compared with, at whose primary radius it is measured (a Hessian trace: its
+        geometry's measure; a trace has no radius of its own)."""
+        from ...measures import HESSIAN_TRACES
+
+        keys = dict(self.secondary)
+        keys |= {f"{name}/average": name for name in self.average_case}
+        return keys | {name: HESSIAN_TRACES[name] for name in self.traces}
+
     def passes(self) -> list[dict[str, list[float]]]:
-        """The measurement's passes, each ``{key: radii}`` (keys as in
-        :func:`~geosharp.studies.zoo.measure.measure_grid`): the main grid, then the
-        secondary measures and average cases, if any, at the primary radii."""
+        """The measurement's passes, each ``{key: radii}``: the main grid, then the
+        secondary keys (:meth:`secondary_keys`), if any, at the primary radii (a Hessian
+        trace at ``0.0``)."""
+        from ...measures import HESSIAN_TRACES
+
         main = {name: self.rho_grid(name) for name in self.measures}
-        second = {name: [self.primary_rho(base)] for name, base in self.secondary.items()}
-        second |= {f"{name}/average": [self.primary_rho(name)] for name in self.average_case}
-        second |= {name: [0.0] for name in self.traces}  # a trace has no radius
+        second = {
+            key: [0.0 if key in HESSIAN_TRACES else self.primary_rho(base)]
+            for key, base in self.secondary_keys().items()
+        }
         return [main, second] if second else [main]
 
     def rho_grid(self, measure: str) -> list[float]:
@@ -219,14 +234,14 @@ SEED_RECIPE = dict(
     weight_decay=0.01,
 )
 # The seed population (issue 10): MiniLM-L6 fine-tunes that differ only in their seed
-# (pilot.SEED_RECIPE: one training set, no label noise, converged to ~0.5% training error).
+# (SEED_RECIPE: one training set, no label noise, converged to ~0.5% training error).
 # Radii fixed by the two pilot models before any gap was seen (docs/results/study/pilot):
 # s(2 rho)/s(rho) first reaches 3 at x4-x8 for adaptive and mix, and at x1 for inv.
 TEXT_SEEDS = ZooPreset(
     zoo="text",
     n_models=40,
     axes={},
-    fixed={k: v for k, v in SEED_RECIPE.items()},
+    fixed=dict(SEED_RECIPE),
     measure_vocabulary="batch",
     baselines=True,
     # the pilot's loss increases at the ratio-rule radii (adaptive and mix x8: 0.07-0.09,
@@ -259,8 +274,8 @@ TEXT_SEEDS = ZooPreset(
 # population's base): MiniLM-L6 fine-tunes in a star design, 6 base configurations each
 # with one variant per axis (42 models), so every axis has exact one-axis pairs. No
 # label noise, one training set, nothing frozen; measured like the seed population.
-TEXT_HPARAMS = ZooPreset(
-    zoo="text",
+TEXT_HPARAMS = dataclasses.replace(
+    TEXT_SEEDS,
     n_models=42,
     design="star",
     axes=dict(
@@ -272,15 +287,9 @@ TEXT_HPARAMS = ZooPreset(
         word_dropout=[0.0, 0.1],
     ),
     fixed=dict(n_train=1000, label_noise=0.0, freeze_embeddings=False, layers=6, max_length=32),
-    measure_vocabulary="batch",
-    baselines=True,
-    target=0.1,
-    n_test=2000,
-    n_points=128,
-    measure_batch=64,
-    n_iters=20,
-    measures=MAIN_MEASURES,
-    rho_factors=TEXT_SEEDS.rho_factors,
+    primary={},  # no secondary pass
+    secondary={},
+    average_case=(),
     seed=3,
 )
 # The vision fine-tune population (issue 10): one ViT (64 wide, 4 deep) pre-trained on

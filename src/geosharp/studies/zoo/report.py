@@ -13,7 +13,14 @@ import numpy as np
 from ...errors import UsageError
 from ...io import write_json_atomic, write_text_atomic
 from ...measures.catalog import HESSIAN_TRACES, PAPER_TABLE
-from ..endpoints import Protocol, endpoints, format_endpoints, plot_tau_curves, tau_curves
+from ..endpoints import (
+    Protocol,
+    endpoints,
+    format_endpoints,
+    plot_tau_curves,
+    split_included,
+    tau_curves,
+)
 from ..figures import require_matplotlib
 from ..stats import granulated_tau, kendall_tau_with_ci, split_half, tau_difference
 from .presets import MAIN_MEASURES, ZooPreset, sample_hyperparameters
@@ -328,8 +335,8 @@ def report_zoo(
     text = format_report(summary, [str(f) for f in figures])
     if preset.target is not None:
         rows = rows_from_table(table)
-        included = sum(r["train_error"] <= preset.max_train_error for r in rows)
-        if included >= 3:
+        included, _ = split_included(rows, population_protocol(preset), preset.measures)
+        if len(included) >= 3:
             study = endpoint_study(preset, rows, population or preset.zoo)
             write_json_atomic(rdir / "endpoints.json", study)
             plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png")
@@ -337,9 +344,10 @@ def report_zoo(
             summary["endpoints"] = study
         else:
             text = (
-                f"# Pre-registered endpoints: not computed\n\n{included} measured model(s) "
-                f"pass the inclusion rule (training error at most {preset.max_train_error:g}); "
-                "the endpoints need at least 3.\n\n" + text
+                f"# Pre-registered endpoints: not computed\n\n{len(included)} measured "
+                "model(s) pass the inclusion rule (training error at most "
+                f"{preset.max_train_error:g}, every measure finite); the endpoints need at "
+                "least 3.\n\n" + text
             )
     write_json_atomic(rdir / "summary.json", summary)
     write_text_atomic(rdir / "models.csv", table)
@@ -419,13 +427,10 @@ def rows_from_table(text: str) -> list[dict]:
     return rows
 
 
-def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict:
-    """The pre-registered endpoints of a population (:func:`~geosharp.studies.endpoints.
-    endpoints` with the preset's protocol), plus the split-half reliability of every
-    measure at its calibrated radius, the spread of the gap over the kept models, and
-    the tau-against-loss-increase curves."""
-    protocol = Protocol(
-        population=population,
+def population_protocol(preset: ZooPreset, population: str = "") -> Protocol:
+    """The :class:`~geosharp.studies.endpoints.Protocol` a preset with a target fixes."""
+    return Protocol(
+        population=population or preset.zoo,
         target=float(preset.target),
         n_points=preset.n_points,
         batch_size=preset.measure_batch,
@@ -435,9 +440,16 @@ def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict
         n_boot=2000,
         seed=preset.seed,
     )
+
+
+def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict:
+    """The pre-registered endpoints of a population (:func:`~geosharp.studies.endpoints.
+    endpoints` with the preset's protocol), plus the split-half reliability of every
+    measure at its calibrated radius, the spread of the gap over the kept models, and
+    the tau-against-loss-increase curves."""
+    protocol = population_protocol(preset, population)
     study = endpoints(rows, protocol, preset.measures)
-    out = {e["id"] for e in study["excluded"]}
-    kept = [r for r in rows if r["id"] not in out]
+    kept, _ = split_included(rows, protocol, preset.measures)
     study["split_half"] = {}
     for m, entry in study["measures"].items():
         halves = [r["per_batch"].get(m, {}).get(entry["rho"], []) for r in kept]
@@ -505,8 +517,7 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     ratio of their values. Empty until every row has the secondary pass."""
     if len(preset.passes()) < 2:
         return {}
-    keys = dict(preset.secondary) | {f"{m}/average": m for m in preset.average_case}
-    keys |= {t: HESSIAN_TRACES[t] for t in preset.traces if HESSIAN_TRACES[t] in preset.primary}
+    keys = {k: base for k, base in preset.secondary_keys().items() if base in preset.primary}
     if not all(key in r["measures"] for r in rows for key in keys):
         return {}
     gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)

@@ -54,6 +54,9 @@ class Task:
     # the token-embedding module, for tasks whose measurement restricts it to the
     # batches' rows (geosharp.vocabulary.compact_vocabulary); None: no such table
     embedding: str | None = None
+    # for models that all start from one pre-trained model: that model's task (which
+    # ``train.prepare`` trains with the preset's ``pretrain`` recipe); None: from scratch
+    pretrain: Task | None = None
 
     def train_set(self, hp: dict) -> tuple[Tensor, ...]:
         """The model's training set (with its label noise)."""
@@ -95,10 +98,6 @@ class Task:
         return F.cross_entropy(
             self.logits(model, batch), self.labels(batch), label_smoothing=smoothing
         )
-
-    # a task whose models start from one pre-trained model: that model's task, and the
-    # hyperparameters that train it (None: models start from scratch or a checkpoint)
-    pretrain: Task | None = None
 
     def use_pretrained(self, model: nn.Module) -> None:
         """Hand the task its pre-trained model (after ``pretrain`` trained it)."""
