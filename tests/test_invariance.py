@@ -79,3 +79,20 @@ def test_average_case_geodesic_is_invariant(case_and_twin, metric):
     b = geosharp.sharpness(twin, case.batches, case.loss_fn, **kwargs)
     scale = max(abs(v) for v in a.per_batch) + 1e-3 * a.loss
     assert all(abs(x - y) <= 0.05 * scale for x, y in zip(a.per_batch, b.per_batch))
+
+
+def test_a_composed_geometry_is_invariant(case_and_twin):
+    """A product no recipe names, Euclidean element-wise with ``inv`` on the pairs: the
+    pair factor alone makes the measure invariant, and it is another measure than
+    ``geodesic-inv`` (adaptive element-wise)."""
+    from geosharp.geometry import Elementwise, Geometry, InvMetric, Pairs
+
+    case, twin = case_and_twin
+    composed = Geometry("euclidean+inv", Elementwise(relative=False), Pairs(InvMetric()))
+    kwargs = dict(rho=0.05, estimator=geosharp.WorstCase(10))
+    a = geosharp.sharpness(case.model, case.batches, case.loss_fn, measure=composed, **kwargs)
+    b = geosharp.sharpness(twin, case.batches, case.loss_fn, measure=composed, **kwargs)
+    assert a.geometry == "euclidean+inv" and a.value > 1e-4
+    assert abs(a.value - b.value) <= 0.01 * abs(a.value), (a.value, b.value)
+    named = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kwargs)
+    assert abs(named.value - a.value) > 0.01 * abs(a.value)

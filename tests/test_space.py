@@ -424,6 +424,15 @@ def test_geometry_named_rejects_bad_arguments():
         Geometry.named("geodesic", metric="mix", eps=1e-3)
     with pytest.raises(ValueError):
         PerturbationSpace(network().theta[:-1], network().layout, [], Geometry.named("adaptive"))
+    # the factors check themselves when composed by hand
+    from geosharp.geometry import Elementwise, InvMetric, Pairs
+
+    with pytest.raises(ValueError, match="element-wise geometry only"):
+        Geometry("box", Elementwise(p=float("inf")), Pairs(InvMetric()))
+    with pytest.raises(ValueError, match="relative scale"):
+        Elementwise(relative=False, step="exp")
+    with pytest.raises(ValueError, match="p must be"):
+        Elementwise(p=1)
 
 
 @pytest.mark.parametrize("name", ["adaptive", "geodesic", "geodesic-curvature-only"])

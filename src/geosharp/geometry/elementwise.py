@@ -1,0 +1,297 @@
+r"""The element-wise factor of a perturbation space: every entry no pair ball claims.
+
+.. math:: \|\xi\|_2^2 = \sum_j (\xi_j / c_j)^2 \quad\text{or}\quad
+          \|\xi\|_\infty = \max_j |\xi_j| / c_j, \qquad
+          c_j = |\theta_j| \text{ (relative) or } 1,
+
+with the straight step ``theta + xi`` or the exact GL(1) geodesic
+``theta exp(xi / theta)``. Entries with ``c_j = 0`` cannot move: those of a pair ball
+(the pair factor measures them), and, with the relative scale, those with
+``|theta_j|`` below ``sqrt(tiny)`` (``1/c`` would overflow and ``c^2`` underflow).
+
+:class:`Elementwise` is the factor's definition (part of a
+:class:`~geosharp.geometry.Geometry`); :class:`ElementwiseSpace` its implementation at
+a base point, over the model's own tensors: the scale and the mask of frozen entries
+are computed piece by piece where used, never kept (unless ``cache_scale``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layout import ParameterLayout
+
+__all__ = ["Elementwise", "ElementwiseSpace"]
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """The element-wise factor: ``relative`` scale ``|theta|`` (else 1), ball ``p`` (2 or
+    ``inf``), ``step`` ``"straight"`` (``theta + xi``) or ``"exp"``
+    (``theta exp(xi / theta)``, the exact geodesic of the relative metric)."""
+
+    relative: bool = True
+    p: float = 2.0
+    step: str = "straight"
+
+    def __post_init__(self) -> None:
+        if self.p not in (2, 2.0, float("inf")):
+            raise ValueError(f"p must be 2 or float('inf'), got {self.p!r}")
+        if self.step not in ("straight", "exp"):
+            raise ValueError("elementwise_step must be 'straight' or 'exp'")
+        if self.step == "exp" and not self.relative:
+            raise ValueError("the exponential element-wise step needs a relative scale")
+
+
+@dataclass
+class _Part:
+    """One parameter's entries ``[start, start + numel)`` of a flat tangent.
+
+    ``theta``: the parameter itself, as a 1-D view; ``pairs``: its entries that a pair
+    ball claims (``False`` none, ``True`` all, or a boolean mask); ``frozen``: whether
+    some element-wise entry cannot move.
+    """
+
+    start: int
+    theta: Tensor
+    pairs: bool | Tensor = False
+    frozen: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.theta.numel()
+
+
+class ElementwiseSpace:
+    """:class:`Elementwise` at ``theta`` (``{name: 1-D view}`` in the layout's order).
+
+    ``claimed``: ``{name: boolean mask}`` of the entries a pair ball measures (``c = 0``
+    there). Every method works piece by piece (cache-sized pieces on the CPU), so that
+    no parameter-sized temporary is made.
+    """
+
+    def __init__(
+        self,
+        factor: Elementwise,
+        params: dict[str, Tensor],
+        layout: ParameterLayout,
+        claimed: dict[str, Tensor],
+        cache_scale: bool = False,
+    ):
+        self.factor = factor
+        first = params[layout.names[0]]
+        self.dtype, self.device, self.numel = first.dtype, first.device, layout.numel
+        self._unit = not factor.relative
+        self._tiny = torch.finfo(self.dtype).tiny ** 0.5
+        self.parts = []
+        for name, start in zip(layout.names, layout.offsets):
+            part = _Part(start, params[name], claimed.get(name, False))
+            if isinstance(part.pairs, Tensor):
+                part.pairs = True if bool(part.pairs.all()) else part.pairs
+            self.parts.append(part)
+        self._set_frozen()
+        self.trivial = self._unit and not claimed  # c = 1 everywhere
+        # Element-wise work on CPU goes in cache-sized pieces; a GPU takes large ones.
+        self.chunk = (1 << 18) if self.device.type == "cpu" else (1 << 26)
+        self._cached_scale = None
+        if cache_scale and not self.trivial:
+            self._cached_scale = self.scale  # one vector more, one pass less per use
+
+    def _set_frozen(self) -> None:
+        for part in self.parts:
+            if not self._unit and part.pairs is not True:
+                part.frozen = bool(self._frozen_mask(part.theta, part.pairs).any())
+
+    def refresh(self) -> None:
+        """Recompute the frozen entries and a cached scale from the current ``theta``."""
+        self._set_frozen()
+        if self._cached_scale is not None:
+            self._cached_scale = None
+            self._cached_scale = self.scale
+
+    @property
+    def exp(self) -> bool:
+        return self.factor.step == "exp"
+
+    # -- the base point, piece by piece --------------------------------------------------
+
+    def pieces(self):
+        """``(start, end, theta piece, claimed mask piece, frozen)`` covering the layout."""
+        step = self.chunk
+        for part in self.parts:
+            n = part.theta.numel()
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                pairs = part.pairs[a:b] if isinstance(part.pairs, Tensor) else part.pairs
+                yield part.start + a, part.start + b, part.theta[a:b], pairs, part.frozen
+
+    def theta_flat(self) -> Tensor:
+        return torch.cat([part.theta for part in self.parts])
+
+    def to_point_(self, xi: Tensor) -> Tensor:
+        for part in self.parts:
+            xi[part.start : part.end].add_(part.theta)
+        return xi
+
+    def to_tangent_(self, point: Tensor) -> Tensor:
+        for part in self.parts:
+            point[part.start : part.end].sub_(part.theta)
+        return point
+
+    def tangent_dot(self, point: Tensor, y: Tensor) -> Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=y.device)
+        for s, e, theta, *_ in self.pieces():
+            total += torch.dot(point[s:e] - theta, y[s:e]).double()
+        return total
+
+    def _scale_piece(
+        self, theta: Tensor, pairs: bool | Tensor, frozen: bool = True
+    ) -> Tensor | None:
+        """``c`` on a piece (``None``: zero on all of it); ``frozen=False`` says that no
+        entry of the piece's parameter is below the threshold."""
+        if pairs is True:
+            return None
+        if self._unit:
+            c = torch.ones_like(theta)
+        else:
+            c = theta.abs()
+            if frozen:
+                c.masked_fill_(c <= self._tiny, 0)
+        if isinstance(pairs, Tensor):
+            c.masked_fill_(pairs, 0)
+        return c
+
+    def _frozen_mask(self, theta: Tensor, pairs: bool | Tensor) -> Tensor:
+        frozen = theta.abs() <= self._tiny
+        return frozen & ~pairs if isinstance(pairs, Tensor) else frozen
+
+    def scale_(self, x: Tensor, power: int = 1) -> Tensor:
+        """``x <- c^power x`` in place (zero where ``c = 0``)."""
+        if self.trivial:
+            return x
+        if self._cached_scale is not None:
+            x.mul_(self._cached_scale)
+            return x.mul_(self._cached_scale) if power == 2 else x
+        for s, e, theta, pairs, frozen in self.pieces():
+            c = self._scale_piece(theta, pairs, frozen)
+            if c is None:
+                x[s:e].zero_()
+            else:
+                x[s:e].mul_(c)
+                if power == 2:
+                    x[s:e].mul_(c)
+        return x
+
+    @property
+    def scale(self) -> Tensor:
+        ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)
+        if self.trivial:
+            return ones
+        cached, self._cached_scale = self._cached_scale, None
+        try:
+            return self.scale_(ones)
+        finally:
+            self._cached_scale = cached
+
+    @property
+    def active(self) -> Tensor | None:
+        if not any(part.frozen for part in self.parts):
+            return None
+        out = torch.ones(self.numel, dtype=torch.bool, device=self.device)
+        for part in self.parts:
+            if part.frozen:
+                out[part.start : part.end] = ~self._frozen_mask(part.theta, part.pairs)
+        return out
+
+    # -- metric ---------------------------------------------------------------------------
+
+    def inner(self, x: Tensor, y: Tensor) -> Tensor:
+        """``sum_j x_j y_j / c_j^2`` over the entries that may move (0-d, float64)."""
+        if self.trivial:
+            return dot(x, y, self.chunk)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for s, e, theta, pairs, frozen in self.pieces():
+            c = self._scale_piece(theta, pairs, frozen)
+            if c is None:
+                continue
+            inv = torch.where(c > 0, c.reciprocal(), torch.zeros_like(c))
+            a = x[s:e] * inv
+            b = a if y is x else y[s:e] * inv
+            total += torch.dot(a, b).double()
+        return total
+
+    def linf_norm(self, xi: Tensor) -> Tensor:
+        best = torch.zeros((), dtype=torch.float64, device=xi.device)
+        for s, e, theta, pairs, frozen in self.pieces():
+            c = self._scale_piece(theta, pairs, frozen)
+            if c is None:
+                continue
+            part = (xi[s:e] / torch.where(c > 0, c, torch.ones_like(c))).abs_()
+            part.masked_fill_(c == 0, 0)
+            best = torch.maximum(best, part.max().double())
+        return best
+
+    def clamp_box_(self, xi: Tensor, rho: float) -> Tensor:
+        for s, e, theta, pairs, frozen in self.pieces():
+            c = self._scale_piece(theta, pairs, frozen)
+            if c is None:
+                xi[s:e].zero_()
+            else:
+                upper = rho * c
+                xi[s:e].clamp_(-upper, upper)
+        return xi
+
+    def freeze_(self, xi: Tensor) -> Tensor:
+        """Zero the frozen entries of ``xi`` in place."""
+        for part in self.parts:
+            if part.frozen:
+                xi[part.start : part.end].masked_fill_(self._frozen_mask(part.theta, part.pairs), 0)
+        return xi
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step_(self, xi: Tensor, out: Tensor) -> None:
+        """``out <- theta + xi``, or ``theta exp(xi / theta)`` where ``theta != 0`` with
+        the exponential step, on every entry (the pair factor then writes its own)."""
+        if self.exp:
+            for s, e, theta, *_ in self.pieces():
+                out[s:e] = exp_step(theta, xi[s:e])
+            return
+        for part in self.parts:
+            sl = slice(part.start, part.end)
+            torch.add(part.theta, xi[sl], out=out[sl])
+
+    def exp_pullback_(self, xi: Tensor, grad: Tensor) -> None:
+        """``grad *= exp(xi / theta)`` where ``theta != 0``, on every entry."""
+        for s, e, theta, *_ in self.pieces():
+            nonzero = theta != 0
+            ratio = xi[s:e] / torch.where(nonzero, theta, torch.ones_like(theta))
+            grad[s:e].mul_(torch.where(nonzero, ratio.exp_(), torch.ones_like(theta)))
+
+    def exp_acceleration_(self, xi: Tensor, out: Tensor) -> None:
+        """``out <- xi^2 / theta`` where ``theta != 0``, else 0: the second-order term of
+        the exponential step, on every entry."""
+        for s, e, theta, *_ in self.pieces():
+            nonzero = theta != 0
+            out[s:e] = torch.where(nonzero, xi[s:e].square() / torch.where(nonzero, theta, 1), 0)
+
+
+def exp_step(theta: Tensor, xi: Tensor) -> Tensor:
+    """``theta exp(xi / theta)`` where ``theta != 0``, ``theta + xi`` elsewhere."""
+    nonzero = theta != 0
+    ratio = torch.where(nonzero, xi / torch.where(nonzero, theta, 1), 0)
+    return torch.where(nonzero, theta * torch.exp(ratio), theta + xi)
+
+
+def dot(x: Tensor, y: Tensor, chunk: int) -> Tensor:
+    """Euclidean ``<x, y>`` (0-d, float64), accumulated chunk by chunk in float64."""
+    n = x.numel()
+    if n <= chunk:
+        return torch.dot(x, y).double()
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for s in range(0, n, chunk):
+        total += torch.dot(x[s : s + chunk], y[s : s + chunk]).double()
+    return total

@@ -1,0 +1,310 @@
+r"""The pair factor of a perturbation space: the attention pairs, stacked.
+
+Pairs of one shape ``(n, m, h)`` and one symmetry group are stacked over heads and
+layers (:class:`StackedPairs`: blocks ``(B, n, h)`` and ``(B, m, h)`` read out of a flat
+vector through strided views), so that all the ``h x h`` algebra is batched. Each
+stack holds its pair state (:class:`~geosharp.geometry.pairs.PairState`), which owns
+all the maths; this module only reads and writes the blocks.
+
+:class:`Pairs` is the factor's definition (part of a
+:class:`~geosharp.geometry.Geometry`): the pair metric, whether the pairs' entries are
+measured in it (``ball``: the metric ball, horizontal projection and sampling on the
+pairs; else the element-wise factor keeps them) and whether the step follows its
+geodesic to second order (``geodesic``); :class:`PairSpace` its implementation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layout import ParameterLayout, gather_strided, strided_segments, write_strided
+from ..symmetry.pairs import PairSpec
+from .elementwise import dot
+from .pairs import PairMetric, PairState
+from .subgroup import restrict_state
+
+__all__ = ["PairSpace", "Pairs", "StackedPairs", "stack_pairs"]
+
+Blocks = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The pair factor: ``metric`` on every ``(G, H)`` pair; ``ball``: the pairs' entries
+    are measured, projected and sampled in it; ``geodesic``: the step adds the
+    metric's geodesic acceleration (second order)."""
+
+    metric: PairMetric
+    ball: bool = True
+    geodesic: bool = True
+
+
+@dataclass
+class StackedPairs:
+    """Pairs of one shape ``(n, m, h)`` and one symmetry group, stacked over heads and
+    layers: blocks ``(B, n, h)`` and ``(B, m, h)``.
+
+    A flat vector's pair entries are read and written through strided views
+    (:func:`~geosharp.layout.strided_segments`: a head of a linear layer is one strided
+    block of its weight plus a row of its bias). Where the layout is not strided, and for
+    vectors autograd tracks, int64 positions are built on demand (:attr:`g_index`,
+    :attr:`h_index`) and not kept. ``state`` is the pair geometry at the base point,
+    ``group`` the symmetry group (``"GL"`` or a subgroup, see
+    :mod:`geosharp.geometry.subgroup`).
+    """
+
+    specs: list[PairSpec]
+    layout: ParameterLayout
+    device: torch.device
+    state: PairState | None = None
+    group: str = "GL"
+
+    def __post_init__(self) -> None:
+        g, h = self.g_index, self.h_index
+        self.shapes = (g.shape, h.shape)
+        self._segments = (strided_segments(g), strided_segments(h))
+
+    @property
+    def g_index(self) -> Tensor:
+        """Flat positions of the ``G`` blocks, ``(B, n, h)`` int64 (built on each call)."""
+        return _flat_index(self.specs, "g_blocks", self.layout, self.device)
+
+    @property
+    def h_index(self) -> Tensor:
+        """Flat positions of the ``H`` blocks, ``(B, m, h)`` int64 (built on each call)."""
+        return _flat_index(self.specs, "h_blocks", self.layout, self.device)
+
+    def gather(self, flat: Tensor) -> Blocks:
+        """The ``(G, H)`` entries of ``flat`` as new ``(B, n, h)`` and ``(B, m, h)`` blocks."""
+        if self._strided(flat):
+            return tuple(  # type: ignore[return-value]
+                gather_strided(flat, segs, shape)
+                for segs, shape in zip(self._segments, self.shapes)
+            )
+        return flat[self.g_index], flat[self.h_index]
+
+    def gather_params(self, params: dict[str, Tensor]) -> Blocks:
+        """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
+        return tuple(  # type: ignore[return-value]
+            _stacked(self.specs, side, lambda b: params[b.param][b.index.to(self.device)])
+            for side in ("g_blocks", "h_blocks")
+        )
+
+    def scatter(self, flat: Tensor, blocks: Blocks) -> Tensor:
+        """``flat`` with this pair's entries replaced by ``blocks`` (out of place)."""
+        out = flat.index_copy(0, self.g_index.reshape(-1), blocks[0].reshape(-1))
+        return out.index_copy(0, self.h_index.reshape(-1), blocks[1].reshape(-1))
+
+    def scatter_(self, flat: Tensor, blocks: Blocks) -> Tensor:
+        """:meth:`scatter` in place."""
+        if self._strided(flat):
+            for segs, block in zip(self._segments, blocks):
+                write_strided(flat, segs, block.to(flat.dtype), accumulate=False)
+            return flat
+        for index, block in zip((self.g_index, self.h_index), blocks):
+            flat.index_copy_(0, index.reshape(-1), block.reshape(-1).to(flat.dtype))
+        return flat
+
+    def add_(self, flat: Tensor, blocks: Blocks, alpha: float = 1.0) -> Tensor:
+        """Add ``alpha * blocks`` to this pair's entries of ``flat``, in place."""
+        if self._strided(flat):
+            for segs, block in zip(self._segments, blocks):
+                write_strided(flat, segs, block.to(flat.dtype), accumulate=True, alpha=alpha)
+            return flat
+        for index, block in zip((self.g_index, self.h_index), blocks):
+            flat.index_add_(0, index.reshape(-1), block.reshape(-1).to(flat.dtype), alpha=alpha)
+        return flat
+
+    def _strided(self, flat: Tensor) -> bool:
+        return (
+            self._segments[0] is not None
+            and self._segments[1] is not None
+            and flat.dim() == 1
+            and flat.is_contiguous()
+            and not (flat.requires_grad and torch.is_grad_enabled())  # autograd: index
+        )
+
+
+def _stacked(specs: Sequence[PairSpec], side: str, read) -> Tensor:
+    """``read(block)`` for every block of one side (``"g_blocks"`` or ``"h_blocks"``) of
+    ``specs``: rows concatenated within a pair, pairs stacked."""
+    return torch.cat([torch.cat([read(b) for b in getattr(s, side)], dim=1) for s in specs])
+
+
+def _flat_index(
+    specs: Sequence[PairSpec], side: str, layout: ParameterLayout, device: torch.device
+) -> Tensor:
+    return _stacked(specs, side, lambda b: layout.offset(b.param) + b.index).to(device)
+
+
+def stack_pairs(
+    pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
+) -> list[StackedPairs]:
+    """Group pairs by shape and symmetry group."""
+    groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
+    for pair in pairs:
+        _, n, m, h = pair.shape
+        groups[(n, m, h, pair.group)].append(pair)
+    return [
+        StackedPairs(specs, layout, torch.device(device), group=group)
+        for (*_, group), specs in groups.items()
+    ]
+
+
+class PairSpace:
+    """:class:`Pairs` at the base point ``params`` (``{name: 1-D view}``): one
+    :class:`StackedPairs` with its state per shape and group.
+
+    Reads (:meth:`read`) and writes (:meth:`write_`) its blocks of flat vectors, and
+    answers, per stack, what the product space asks of it: the metric, projection,
+    Riemannian gradient, ascent direction and sampler on the pairs (when ``ball``), the
+    geodesic correction of the step and its pullback (when ``geodesic``). The
+    element-wise factor writes every entry first; the pairs then write theirs.
+    """
+
+    def __init__(
+        self,
+        factor: Pairs,
+        pairs: Sequence[PairSpec],
+        layout: ParameterLayout,
+        params: dict[str, Tensor],
+        device: torch.device,
+    ):
+        self.factor = factor
+        self.ball, self.geodesic = factor.ball, factor.geodesic
+        self.blocks = stack_pairs(pairs, layout, device)
+        self.set_states(params)
+
+    def set_states(self, params: dict[str, Tensor]) -> None:
+        """The pair states at ``params`` (views of the base point)."""
+        self._params = params
+        for block in self.blocks:
+            state = self.factor.metric.state(*block.gather_params(params))
+            block.state = restrict_state(state, block.group)
+
+    def claimed(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``{name: boolean mask}`` of the entries whose metric is the pairs' (none
+        without ``ball``): the element-wise factor leaves them alone."""
+        masks: dict[str, Tensor] = {}
+        if not self.ball:
+            return masks
+        for block in self.blocks:
+            for spec in block.specs:
+                for b in (*spec.g_blocks, *spec.h_blocks):
+                    theta = params[b.param]
+                    if b.param not in masks:
+                        masks[b.param] = torch.zeros(
+                            theta.numel(), dtype=torch.bool, device=theta.device
+                        )
+                    masks[b.param][b.index.reshape(-1).to(theta.device)] = True
+        return masks
+
+    def read(self, flat: Tensor) -> list[Blocks]:
+        return [block.gather(flat) for block in self.blocks]
+
+    def write_(self, flat: Tensor, values: Sequence[Blocks]) -> Tensor:
+        for block, value in zip(self.blocks, values):
+            block.scatter_(flat, value)
+        return flat
+
+    # -- the metric (ball only) -----------------------------------------------------------
+
+    def inner(self, xi: Tensor, eta: Tensor, total: Tensor) -> Tensor:
+        """``total`` plus the pair metric's ``g(xi, eta)`` summed over pairs."""
+        for block in self.blocks:
+            total = total + block.state.inner(block.gather(xi), block.gather(eta)).sum()
+        return total
+
+    def proju_(self, xi: Tensor) -> Tensor:
+        for block in self.blocks:
+            block.scatter_(xi, block.state.proju(block.gather(xi)))
+        return xi
+
+    def egrad2rgrad(self, egrad: Tensor) -> list[Blocks]:
+        return [b.state.egrad2rgrad(b.gather(egrad)) for b in self.blocks]
+
+    def horizontal_residual(self, xi: Tensor) -> Tensor:
+        worst = torch.zeros((), dtype=torch.float64, device=xi.device)
+        for block in self.blocks:
+            R = block.state.horizontal_residual(block.gather(xi))
+            worst = torch.maximum(worst, R.abs().amax())
+        return worst
+
+    def direction(self, egrad: Tensor, known: list[Blocks] | None) -> tuple[Tensor, list]:
+        """Per stack the ascent direction ``d`` of the Euclidean gradient blocks (read
+        from ``egrad``, or ``known`` when the pullback kept them) and ``sum <d, g>``."""
+        sq = torch.zeros((), dtype=torch.float64, device=egrad.device)
+        dirs = []
+        for i, block in enumerate(self.blocks):
+            g = known[i] if known is not None else block.gather(egrad)
+            d = block.state.direction(g)
+            for dx, gx in zip(d, g):
+                sq = sq + dot(dx.reshape(-1), gx.reshape(-1), 1 << 22)
+            dirs.append(d)
+        return sq, dirs
+
+    def sample(self, generator: torch.Generator | None) -> list[Blocks]:
+        return [block.state.sample(generator) for block in self.blocks]
+
+    # -- the step -------------------------------------------------------------------------
+
+    def retr_(self, xi: Tensor, out: Tensor, straighten: bool) -> list[object]:
+        """Write the pairs' part of the step into ``out`` (which holds the element-wise
+        step): ``straighten`` puts the straight ``theta + xi`` back on pair entries
+        (after an exponential element-wise step); the geodesic correction
+        ``accel / 2`` is added. Returns what :meth:`pullback_` reuses."""
+        if straighten:
+            self._straighten_(xi, out)
+        saved = []
+        if not self.geodesic:
+            return saved
+        for block in self.blocks:
+            x = block.gather(xi)
+            if straighten:
+                block.add_(out, block.state.geodesic_acceleration(x), alpha=0.5)
+                saved.append(None)
+                continue
+            accel, kept = block.state.accelerate(x)
+            block.add_(out, accel, alpha=0.5)
+            saved.append(kept)
+        return saved
+
+    def _straighten_(self, xi: Tensor, out: Tensor) -> None:
+        params = self._params
+        for block in self.blocks:
+            g_th, h_th = block.gather_params(params)
+            g_xi, h_xi = block.gather(xi)
+            block.scatter_(out, (g_th + g_xi, h_th + h_xi))
+
+    def pullback_(self, xi: Tensor, grad: Tensor, saved: list[object]) -> list[Blocks]:
+        """The gradient's pair blocks pulled back through the geodesic correction,
+        written into ``grad`` and returned."""
+        out = []
+        for block, kept in zip(self.blocks, saved):
+            g = block.state.pullback(block.gather(xi), block.gather(grad), kept)
+            block.scatter_(grad, g)
+            out.append(g)
+        return out
+
+    def add_acceleration_(self, xi: Tensor, out: Tensor) -> None:
+        for block in self.blocks:
+            block.add_(out, block.state.geodesic_acceleration(block.gather(xi)))
+
+    def retr(self, theta: Tensor, xi: Tensor, out: Tensor, straighten: bool) -> Tensor:
+        """:meth:`retr_` out of place and differentiable in ``xi``."""
+        if straighten:
+            for block in self.blocks:
+                g_th, h_th = block.gather(theta)
+                g_xi, h_xi = block.gather(xi)
+                out = block.scatter(out, (g_th + g_xi, h_th + h_xi))
+        if self.geodesic:
+            for block in self.blocks:
+                aG, aH = block.state.geodesic_acceleration(block.gather(xi))
+                out = out.index_add_(0, block.g_index.reshape(-1), aG.reshape(-1), alpha=0.5)
+                out = out.index_add_(0, block.h_index.reshape(-1), aH.reshape(-1), alpha=0.5)
+        return out
