@@ -73,12 +73,17 @@ def _covariance(space):
     return projector @ torch.linalg.pinv(metric, hermitian=True) @ projector.T
 
 
+@pytest.mark.parametrize("probe_batch", [1, 3])
 @pytest.mark.parametrize("measure", MEASURES)
-def test_each_probe_is_the_dense_quadratic_form(measure):
+def test_each_probe_is_the_dense_quadratic_form(measure, probe_batch):
+    """One by one, and three at a time by a vectorised backward (4 probes: the last
+    batch of probes is partial)."""
     model, batches, loss_fn = _tiny()
     space = _space(model, measure)
     K = _dense(model, batches, space)
-    result = hessian_trace(model, batches, loss_fn, measure, n_probes=4, seed=3)
+    result = hessian_trace(
+        model, batches, loss_fn, measure, n_probes=4, seed=3, probe_batch=probe_batch
+    )
     for k, value in enumerate(result.per_probe):
         z = space.random(torch.Generator().manual_seed(_batch_seed(3, k)))
         assert value == pytest.approx(float(z @ K @ z), rel=1e-9, abs=1e-12)
@@ -154,3 +159,41 @@ def test_model_untouched_and_user_errors():
         hessian_trace(model, batches, loss_fn, "adaptive-linf")
     with pytest.raises(TypeError, match="n_iters"):
         hessian_trace(model, batches, loss_fn, n_iters=3)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_scalar_toy_model_closed_form(metric):
+    """The paper's scalar toy model ``l = (x u v - y)^2 / 2``, ``(u, v)`` one GL(1) pair:
+    the quotient is one-dimensional, so every probe is ``||z||_g^2`` times the closed-form
+    Riemannian Hessian trace of :func:`geosharp.studies.toy.riemannian_hessian_trace`."""
+    from geosharp.studies.toy import riemannian_hessian_trace
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    ).double()
+    u, v, x, y = 0.7, -1.9, 1.3, 0.4
+    with torch.no_grad():
+        model[0].weight.fill_(u)
+        model[1].weight.fill_(v)
+    pair = geosharp.declare_pair(model, G=["1.weight"], H=[("0.weight", lambda w: w.T)])
+    symmetries = find_symmetries(model).with_pairs(pair)
+    batch = (torch.full((1, 1), x, dtype=torch.float64), torch.full((1, 1), y, dtype=torch.float64))
+
+    def loss_fn(m, b):
+        return 0.5 * (m(b[0]) - b[1]).pow(2).sum()
+
+    measure = f"geodesic-{metric}"
+    result = hessian_trace(
+        model, [batch], loss_fn, measure, n_probes=5, seed=2, symmetries=symmetries
+    )
+    named = list(model.named_parameters())
+    space = PerturbationSpace(
+        {n: p.detach() for n, p in named},
+        ParameterLayout.from_named(named),
+        [pair],
+        Geometry.named("geodesic", metric),
+    )
+    trace = riemannian_hessian_trace(u, v, x, y, metric=metric)
+    for k, value in enumerate(result.per_probe):
+        z = space.random(torch.Generator().manual_seed(_batch_seed(2, k)))
+        assert value == pytest.approx(trace * float(space.inner(z, z)), rel=1e-9)

@@ -95,6 +95,7 @@ def hessian_trace(
     measure: str | Geometry | None = None,
     n_probes: int = 100,
     *,
+    probe_batch: int = 1,
     seed: int = 0,
     symmetries: Symmetries | None = None,
     parameters: Sequence[str] | str | None = None,
@@ -110,7 +111,11 @@ def hessian_trace(
     (default: ``"geodesic-inv"``); the radius plays no role. Probe ``k`` is drawn from
     its own generator (seeded from ``seed`` and ``k``) and is the same for every batch.
     Each batch costs one forward, one backward with its graph kept, and one
-    double-backward per probe. The model is left bit-identical, also when this raises.
+    double-backward per probe, or per ``probe_batch`` probes: with ``probe_batch > 1``
+    the Hessian-vector products of that many probes come from one vectorised backward
+    (``is_grads_batched``; memory: ``probe_batch`` parameter-sized vectors more), equal
+    to the one-by-one values to round-off. The model is left bit-identical, also when
+    this raises.
 
     >>> import torch
     >>> from torch import nn
@@ -125,8 +130,9 @@ def hessian_trace(
     unknown = sorted(set(geometry) - set(_GEOMETRY_KEYS))
     if unknown:
         raise TypeError(f"hessian_trace() got unexpected keyword argument(s): {', '.join(unknown)}")
-    if isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1:
-        raise ValueError(f"n_probes must be a positive integer, got {n_probes!r}")
+    for key, value in (("n_probes", n_probes), ("probe_batch", probe_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
     geo, parameters = _geometry(measure, dict(geometry), parameters)
     if geo.p != 2:
         raise ValueError("the Hessian trace needs a round ball (p=2), not the L-infinity box")
@@ -154,25 +160,25 @@ def hessian_trace(
                 None if space.straight else torch.cat([g.detach().reshape(-1) for g in grads])
             )
             curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
-            for k in range(n_probes):
-                generator = torch.Generator(device=target.device)
-                z = space.random(generator.manual_seed(_batch_seed(seed, k)))
-                views = layout.unflatten(z)
-                total = 0.0
+            for start in range(0, n_probes, probe_batch):
+                ks = range(start, min(n_probes, start + probe_batch))
+                zs = []
+                for k in ks:
+                    generator = torch.Generator(device=target.device)
+                    zs.append(space.random(generator.manual_seed(_batch_seed(seed, k))))
+                views = [layout.unflatten(z) for z in zs]
+                totals = [0.0] * len(zs)
                 if flat_grad is not None:
-                    total = float(space.dot(flat_grad, space.acceleration(z)))
+                    totals = [float(space.dot(flat_grad, space.acceleration(z))) for z in zs]
                 if curved:  # else the loss is linear in the parameters
-                    directional = sum((g * views[n]).sum() for n, g, _ in curved)
-                    hz = torch.autograd.grad(
-                        directional,
-                        [p for *_, p in curved],
-                        retain_graph=k + 1 < n_probes,
-                        allow_unused=True,
-                    )
-                    for (n, *_), h in zip(curved, hz):
-                        if h is not None:
-                            total += float(space.dot(h.reshape(-1), views[n].reshape(-1)))
-                sums[k] += total
+                    hzs = _hessian_vector_products(curved, views, retain=ks[-1] + 1 < n_probes)
+                    for j, hz in enumerate(hzs):
+                        for (n, *_), h in zip(curved, hz):
+                            if h is not None:
+                                v = views[j][n].reshape(-1)
+                                totals[j] += float(space.dot(h.reshape(-1), v))
+                for k, total in zip(ks, totals):
+                    sums[k] += total
             del grads, flat_grad, curved
     if not losses:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
@@ -199,3 +205,23 @@ def hessian_trace(
             dtype=str(target.dtype).removeprefix("torch."),
         ),
     )
+
+
+def _hessian_vector_products(curved, views, retain: bool) -> list:
+    """``H v`` per probe's views ``{name: tensor}``, restricted to the ``curved``
+    ``(name, gradient with graph, leaf)``: one double backward for one probe, one
+    vectorised backward (``is_grads_batched``) for several."""
+    leaves = [p for *_, p in curved]
+    if len(views) == 1:
+        directional = sum((g * views[0][n]).sum() for n, g, _ in curved)
+        return [torch.autograd.grad(directional, leaves, retain_graph=retain, allow_unused=True)]
+    stacked = [torch.stack([v[n] for v in views]) for n, *_ in curved]
+    out = torch.autograd.grad(
+        [g for _, g, _ in curved],
+        leaves,
+        grad_outputs=stacked,
+        retain_graph=retain,
+        is_grads_batched=True,
+        allow_unused=True,
+    )
+    return [[None if h is None else h[j] for h in out] for j in range(len(views))]
