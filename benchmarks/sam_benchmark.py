@@ -82,13 +82,19 @@ def data(n_train: int, n_val: int, n_test: int):
 
 
 @torch.no_grad()
-def accuracy(model, x, y, batch: int = 1000) -> float:
+def evaluate(model, x, y, batch: int = 1000) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy on ``(x, y)``, in eval mode."""
     model.eval()
-    right = sum(
-        int((model(pixel_values=x[s : s + batch]).logits.argmax(-1) == y[s : s + batch]).sum())
-        for s in range(0, len(y), batch)
-    )
-    return right / len(y)
+    right, total = 0, 0.0
+    for s in range(0, len(y), batch):
+        logits = model(pixel_values=x[s : s + batch]).logits
+        right += int((logits.argmax(-1) == y[s : s + batch]).sum())
+        total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
+    return right / len(y), total / len(y)
+
+
+def accuracy(model, x, y) -> float:
+    return evaluate(model, x, y)[0]
 
 
 def final_sharpness(model, x, y) -> dict:
@@ -145,14 +151,12 @@ def train(method: str, rho: float, seed: int, sets, args) -> dict:
                 opt.step(closure)
             seconds += time.perf_counter() - start
             steps += 1
-    with torch.no_grad():
-        model.eval()
-        train_loss = float(F.cross_entropy(model(pixel_values=x).logits, y))
+    train_acc, train_loss = evaluate(model, x, y)
     return dict(
         method=method,
         rho=rho,
         seed=seed,
-        train_acc=accuracy(model, x, y),
+        train_acc=train_acc,
         train_loss=train_loss,
         val_acc=accuracy(model, *val),
         test_acc=accuracy(model, *test),

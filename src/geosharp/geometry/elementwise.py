@@ -175,6 +175,10 @@ class ElementwiseSpace:
         if self._cached_scale is not None:
             x.mul_(self._cached_scale)
             return x.mul_(self._cached_scale) if power == 2 else x
+        return self._scale_pieces_(x, power)
+
+    def _scale_pieces_(self, x: Tensor, power: int = 1) -> Tensor:
+        """:meth:`scale_` computing ``c`` piece by piece."""
         for s, e, theta, pairs, frozen in self.pieces():
             c = self._scale_piece(theta, pairs, frozen)
             if c is None:
@@ -188,13 +192,7 @@ class ElementwiseSpace:
     @property
     def scale(self) -> Tensor:
         ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)
-        if self.trivial:
-            return ones
-        cached, self._cached_scale = self._cached_scale, None
-        try:
-            return self.scale_(ones)
-        finally:
-            self._cached_scale = cached
+        return ones if self.trivial else self._scale_pieces_(ones)
 
     @property
     def active(self) -> Tensor | None:
