@@ -379,6 +379,32 @@ def test_measurement_passes_main_grid_first(tmp_path):
     assert list(again["measures"]["adaptive-attn"]) == [repr(more.primary_rho("adaptive"))]
 
 
+def test_secondary_keys_are_reported_once_every_model_has_them():
+    """The Hessian traces come in a last pass of their own: until every model has a key,
+    the secondary study leaves it out and reports the keys that are in."""
+    from geosharp.studies.zoo.report import secondary_study
+
+    preset = _endpoint_preset()
+    _, second, traces = preset.passes()
+    assert set(traces) == {"hessian-trace-inv"} and "hessian-trace-inv" not in second
+    rho = preset.primary_rho("geodesic-inv")
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(6):
+        v = float(rng.uniform(1, 2))
+        measures = {"geodesic-inv": {rho: v}, "geodesic-norm-only-inv": {rho: 0.9 * v}}
+        if i:  # the first model has no trace yet
+            measures["hessian-trace-inv"] = {0.0: float(rng.uniform())}
+        rows.append(dict(error_gap=float(rng.uniform()), measures=measures))
+    preset = dataclasses.replace(preset, average_case=())
+    out = secondary_study(preset, rows)
+    assert set(out) == {"geodesic-norm-only-inv"}
+    assert out["geodesic-norm-only-inv"]["main_minus_this"]["tau_diff"] == 0.0
+    assert out["geodesic-norm-only-inv"]["median_value_ratio"] == pytest.approx(0.9)
+    rows[0]["measures"]["hessian-trace-inv"] = {0.0: 0.5}
+    assert set(secondary_study(preset, rows)) == {"geodesic-norm-only-inv", "hessian-trace-inv"}
+
+
 def test_star_design_population_reports_the_granulated_tau(tmp_path):
     """Base configurations and their one-axis variants: exact pairs, the granulated tau
     over them with a bootstrap over bases, and word dropout in training."""

@@ -110,17 +110,16 @@ class ZooPreset:
         return keys | {name: HESSIAN_TRACES[name] for name in self.traces}
 
     def passes(self) -> list[dict[str, list[float]]]:
-        """The measurement's passes, each ``{key: radii}``: the main grid, then the
-        secondary keys (:meth:`secondary_keys`), if any, at the primary radii (a Hessian
-        trace at ``0.0``)."""
+        """The measurement's passes, each ``{key: radii}``, the empty ones left out: the
+        main grid; the secondary sharpness keys (:meth:`secondary_keys`) at the primary
+        radii; the Hessian traces (at ``0.0``), the dearest, last."""
         from ...measures import HESSIAN_TRACES
 
         main = {name: self.rho_grid(name) for name in self.measures}
-        second = {
-            key: [0.0 if key in HESSIAN_TRACES else self.primary_rho(base)]
-            for key, base in self.secondary_keys().items()
-        }
-        return [main, second] if second else [main]
+        keys = self.secondary_keys()
+        second = {k: [self.primary_rho(b)] for k, b in keys.items() if k not in HESSIAN_TRACES}
+        traces = {k: [0.0] for k in keys if k in HESSIAN_TRACES}
+        return [grid for grid in (main, second, traces) if grid]
 
     def rho_grid(self, measure: str) -> list[float]:
         from ...measures import DEFAULT_RHO

@@ -514,12 +514,15 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     and each Hessian trace beside its geometry's main measure there: tau with the gap,
     the paired difference ``tau(main) - tau(secondary)`` (does the ablated term
     matter? does worst-case sharpness rank better than curvature?) and the median
-    ratio of their values. Empty until every row has the secondary pass."""
+    ratio of their values. A key is in once every row has it (the passes end at
+    different times)."""
     if len(preset.passes()) < 2:
         return {}
-    keys = {k: base for k, base in preset.secondary_keys().items() if base in preset.primary}
-    if not all(key in r["measures"] for r in rows for key in keys):
-        return {}
+    keys = {
+        k: base
+        for k, base in preset.secondary_keys().items()
+        if base in preset.primary and all(k in r["measures"] for r in rows)
+    }
     gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
     boot = dict(n_boot=2000, seed=preset.seed)
     out = {}
