@@ -30,3 +30,9 @@ def test_endpoints_recomputed_from_models_csv(folder):
         assert fresh["differences"][name]["ci"] == pytest.approx(entry["ci"], abs=1e-12)
     for name, entry in stored["baselines"].items():
         assert fresh["baselines"][name]["tau"] == pytest.approx(entry["tau"], abs=1e-12)
+    assert set(fresh.get("secondary", {})) == set(stored.get("secondary", {}))
+    for name, entry in stored.get("secondary", {}).items():
+        again = fresh["secondary"][name]
+        assert again["rho"] == entry["rho"] and again["tau"] == pytest.approx(entry["tau"])
+        diff = again["main_minus_this"]
+        assert diff["ci"] == pytest.approx(entry["main_minus_this"]["ci"], abs=1e-12)

@@ -379,9 +379,20 @@ def test_measurement_passes_main_grid_first(tmp_path):
     assert list(again["measures"]["adaptive-attn"]) == [repr(more.primary_rho("adaptive"))]
 
 
+def _minimal_study() -> dict:
+    """An endpoints result with nothing in its tables, for rendering one section."""
+    protocol = dict(max_train_error=0.05, target=0.01, n_boot=10)
+    return dict(
+        population="p", protocol=protocol, n_models=6, n_excluded=0, n_points=8,
+        batch_size=8, n_iters=1, starts="zero", measures={}, differences={}, baselines={},
+        excluded=[],
+    )  # fmt: skip
+
+
 def test_secondary_keys_are_reported_once_every_model_has_them():
     """The Hessian traces come in a last pass of their own: until every model has a key,
     the secondary study leaves it out and reports the keys that are in."""
+    from geosharp.studies.endpoints import format_endpoints
     from geosharp.studies.zoo.report import secondary_study
 
     preset = _endpoint_preset()
@@ -402,7 +413,16 @@ def test_secondary_keys_are_reported_once_every_model_has_them():
     assert out["geodesic-norm-only-inv"]["main_minus_this"]["tau_diff"] == 0.0
     assert out["geodesic-norm-only-inv"]["median_value_ratio"] == pytest.approx(0.9)
     rows[0]["measures"]["hessian-trace-inv"] = {0.0: 0.5}
-    assert set(secondary_study(preset, rows)) == {"geodesic-norm-only-inv", "hessian-trace-inv"}
+    out = secondary_study(preset, rows)
+    assert set(out) == {"geodesic-norm-only-inv", "hessian-trace-inv"}
+    trace = out["hessian-trace-inv"]
+    assert trace["rho"] is None and trace["median_value_ratio"] is None  # no radius
+    line = next(
+        x
+        for x in format_endpoints(dict(_minimal_study(), secondary=out)).splitlines()
+        if x.startswith("| hessian-trace-inv ")
+    )
+    assert line.split("|")[3].strip() == "-" and line.split("|")[6].strip() == "-"
 
 
 def test_star_design_population_reports_the_granulated_tau(tmp_path):

@@ -298,7 +298,8 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
             "",
             "Ablations keep one of the geodesic measure's two terms, attention-only "
             "variants perturb the query/key/value/output pairs only, average cases "
-            "replace the worst case by the mean over random directions.",
+            "replace the worst case by the mean over random directions, Hessian traces "
+            "(Hutchinson) in the main measure's geometry have no radius.",
             "",
             "| measure | main measure | rho | tau with the gap | tau(main) - tau(this) "
             "| median value / main's |",
@@ -306,9 +307,11 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
         ]
         for name, e in study["secondary"].items():
             d = e["main_minus_this"]
+            rho = "-" if e["rho"] is None else f"{e['rho']:.4g}"
+            ratio = "-" if e["median_value_ratio"] is None else f"{e['median_value_ratio']:.3g}"
             lines.append(
-                f"| {name} | {e['main']} | {e['rho']:.4g} | {_ci(e['tau'], e['ci'])} "
-                f"| {_ci(d['tau_diff'], d['ci'])} | {e['median_value_ratio']:.3g} |"
+                f"| {name} | {e['main']} | {rho} | {_ci(e['tau'], e['ci'])} "
+                f"| {_ci(d['tau_diff'], d['ci'])} | {ratio} |"
             )
     if study.get("granulated"):
         gran = study["granulated"]

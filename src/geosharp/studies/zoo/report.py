@@ -514,8 +514,8 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     and each Hessian trace beside its geometry's main measure there: tau with the gap,
     the paired difference ``tau(main) - tau(secondary)`` (does the ablated term
     matter? does worst-case sharpness rank better than curvature?) and the median
-    ratio of their values. A key is in once every row has it (the passes end at
-    different times)."""
+    ratio of their values (neither a radius nor a ratio for a trace: ``None``). A key
+    is in once every row has it (the passes end at different times)."""
     if len(preset.passes()) < 2:
         return {}
     keys = {
@@ -528,17 +528,18 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     out = {}
     for key, base in keys.items():
         rho = preset.primary_rho(base)
-        at = 0.0 if key in HESSIAN_TRACES else rho
+        trace = key in HESSIAN_TRACES
+        at = 0.0 if trace else rho
         v = np.array([r["measures"][key][at] for r in rows], dtype=np.float64)
         ref = np.array([r["measures"][base][rho] for r in rows], dtype=np.float64)
         ci = kendall_tau_with_ci(v, gap, **boot)
         diff = tau_difference(ref, v, gap, **boot)
         out[key] = dict(
             main=base,
-            rho=rho,
+            rho=None if trace else rho,
             tau=ci.estimate,
             ci=[ci.low, ci.high],
             main_minus_this=dict(tau_diff=diff.estimate, ci=[diff.low, diff.high]),
-            median_value_ratio=float(np.median(v / ref)),
+            median_value_ratio=None if trace else float(np.median(v / ref)),
         )
     return out
