@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from geosharp.studies.zoo import get_preset
@@ -36,3 +37,27 @@ def test_endpoints_recomputed_from_models_csv(folder):
         assert again["rho"] == entry["rho"] and again["tau"] == pytest.approx(entry["tau"])
         diff = again["main_minus_this"]
         assert diff["ci"] == pytest.approx(entry["main_minus_this"]["ci"], abs=1e-12)
+
+
+def test_vision_finetune_geodesic_correction_claims():
+    """docs/zoo.md on the secondary pass: the straight line in the geodesic measure's
+    ball gives the same values for ``inv`` on every model, and for ``mix`` on all but the
+    strongest-regularised fine-tunes, where the geodesic correction raises sharpness."""
+    rows = rows_from_table((RESULTS / "vision-finetune" / "models.csv").read_text())
+    m = lambda r, key, rho: r["measures"][key][rho]  # noqa: E731
+    inv = [m(r, "geodesic-norm-only-inv", 0.05) / m(r, "geodesic-inv", 0.05) for r in rows]
+    assert 0.998 < min(inv) and max(inv) < 1.001
+    mix = {r["id"]: m(r, "geodesic-norm-only-mix", 0.01) / m(r, "geodesic-mix", 0.01) for r in rows}
+    strong = {
+        r["id"] for r in rows if r["weight_decay"] == 0.2 and r["lr"] >= 1e-3 and r["epochs"] == 32
+    }
+    low = {k for k, v in mix.items() if v < 0.95}
+    assert len(strong) == 5 and len(low) == 4 and low <= strong
+    assert sorted(mix[k] for k in low) == pytest.approx([0.051, 0.106, 0.732, 0.901], abs=1e-3)
+    grows = {r["id"]: m(r, "geodesic-mix", 0.01) / m(r, "geodesic-mix", 0.005) for r in rows}
+    two = sorted(low, key=mix.get)[:2]
+    assert [grows[k] for k in two] == pytest.approx([44.8, 23.8], abs=0.05)
+    assert float(np.median(list(grows.values()))) == pytest.approx(3.0, abs=0.05)
+    assert all(0.99 < v < 1.01 for k, v in mix.items() if k not in low)
+    attn = [m(r, "geodesic-inv-attn", 0.05) / m(r, "geodesic-inv", 0.05) for r in rows]
+    assert 0.95 < min(attn) and max(attn) < 1.03
