@@ -63,6 +63,27 @@ def test_endpoints_find_the_measure_that_follows_the_gap(tmp_path):
     assert endpoints(rows, PROTOCOL, ["adaptive", "geodesic-inv"]) == result  # seeded
 
 
+def test_only_the_compared_measures_are_differenced():
+    """An extra measure (here ``adaptive-linf``) is calibrated and reported but is not a
+    primary endpoint unless the protocol compares it; the others' numbers stay the same."""
+    import dataclasses
+
+    rows = _population()
+    for r in rows:
+        r["measures"] = dict(r["measures"], **{"adaptive-linf": r["measures"]["adaptive"]})
+    base = endpoints(rows, PROTOCOL, ["adaptive", "geodesic-inv"])
+    every = endpoints(rows, PROTOCOL, ["adaptive", "geodesic-inv", "adaptive-linf"])
+    assert set(every["differences"]) == {
+        "geodesic-inv minus adaptive",
+        "adaptive-linf minus adaptive",
+    }
+    chosen = dataclasses.replace(PROTOCOL, compared=("geodesic-inv",))
+    some = endpoints(rows, chosen, ["adaptive", "geodesic-inv", "adaptive-linf"])
+    assert set(some["differences"]) == {"geodesic-inv minus adaptive"}
+    assert some["differences"] == base["differences"]
+    assert some["measures"]["adaptive-linf"]["rho"] == base["measures"]["adaptive"]["rho"]
+
+
 def test_too_few_models_and_the_curves(tmp_path):
     rows = _population(n=2)
     with pytest.raises(ValueError, match="inclusion rule"):

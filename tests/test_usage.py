@@ -99,8 +99,16 @@ def test_zoo_refuses_a_folder_of_another_preset(tmp_path, capsys):
     older = {k: v for k, v in asdict(smoke).items() if k not in ("secondary", "target")}
     write_json_atomic(tmp_path / "vision" / "preset.json", older)
     check_preset(smoke, tmp_path)
-    with pytest.raises(UsageError, match="secondary"):
-        check_preset(replace(smoke, secondary={"adaptive-attn": "adaptive"}), tmp_path)
+    with pytest.raises(UsageError, match="target"):
+        check_preset(replace(smoke, target=0.5), tmp_path)
+    # what is measured may grow, never change or shrink
+    check_preset(replace(smoke, secondary={"adaptive-attn": "adaptive"}), tmp_path)
+    more = (*smoke.measures, "euclidean")
+    check_preset(replace(smoke, measures=more, rho_factors=(0.5, 2.0, 4.0)), tmp_path)
+    with pytest.raises(UsageError, match="measures"):
+        check_preset(replace(smoke, measures=smoke.measures[1:]), tmp_path)
+    with pytest.raises(UsageError, match="rho_factors"):
+        check_preset(replace(smoke, rho_factors={m: (0.5, 2.0) for m in smoke.measures}), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -64,6 +64,7 @@ class Protocol:
     starts: int | str = "zero"
     max_train_error: float = 0.05
     reference: str = "adaptive"  # the measure the geodesic ones are compared with
+    compared: tuple[str, ...] | None = None  # compared with the reference (None: all others)
     n_boot: int = 2000
     seed: int = 0
 
@@ -164,6 +165,8 @@ def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str])
     ref = protocol.reference
     for m in measures:
         if m == ref or ref not in measures:
+            continue
+        if protocol.compared is not None and m not in protocol.compared:
             continue
         name = f"{m} minus {ref}"
         diff = tau_difference(values[m], values[ref], gap, select, select, **boot)

@@ -12,7 +12,7 @@ Populations (see ``docs/zoo.md`` for the protocols) are presets
 
 Layout under ``<out>/<zoo>/`` (:mod:`~geosharp.studies.zoo.store`)::
 
-    preset.json             the settings the zoo was made with (mixing is refused)
+    preset.json             the settings the zoo was measured with (mixing is refused)
     models/<id>/            config.json + model.safetensors + meta.json (hyperparameters,
                             errors)
     measures/<id>.json      sharpness per measure and radius (value and per-batch values),

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from ... import distributed as gd
 from ...data import move_batch
 from ...io import write_json_atomic
 from .presets import ZooPreset, sample_hyperparameters
-from .store import missing, model_complete, my_share, read_json, zoo_dir
+from .store import check_preset, missing, model_complete, my_share, read_json, zoo_dir
 from .tasks import task_for
 from .train import prepare
 
@@ -98,8 +100,11 @@ def measure_zoo(
     ids of the models measured to completion by this call."""
     from ...progress import Progress
 
+    check_preset(preset, out)
     prepare(preset, out, device=device)
     zdir = zoo_dir(out, preset)
+    if gd.rank_and_world()[0] == 0:  # the settings now measured (what is measured may grow)
+        write_json_atomic(zdir / "preset.json", asdict(preset))
     mdir = zdir / "measures"
     mdir.mkdir(parents=True, exist_ok=True)
     pending = my_share(

@@ -437,6 +437,7 @@ def population_protocol(preset: ZooPreset, population: str = "") -> Protocol:
         n_iters=preset.n_iters,
         starts="zero",
         max_train_error=preset.max_train_error,
+        compared=tuple(m for m in preset.measures if m.startswith("geodesic-")),
         n_boot=2000,
         seed=preset.seed,
     )

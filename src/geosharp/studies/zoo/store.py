@@ -63,10 +63,24 @@ def my_share(pending: list[dict]) -> list[dict]:
     return [pending[i] for i in gd.shard(len(pending))]
 
 
+# what is measured may grow: a new measure never changes the values already stored
+GROWS = ("measures", "rho_factors", "primary", "secondary", "average_case", "traces")
+
+
+def _grown(old, new) -> bool:
+    """Whether ``new`` keeps every entry of ``old`` (a list or a dict) unchanged."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return all(k in new and new[k] == v for k, v in old.items())
+    if isinstance(old, list) and isinstance(new, list):
+        return all(v in new for v in old)
+    return False
+
+
 def check_preset(preset: ZooPreset, out: str | Path) -> None:
     """An error if ``out`` holds a zoo made with another preset (mixing populations):
     every setting must match the stored ``preset.json`` but ``n_models`` (adding models
-    never changes the earlier ones)."""
+    never changes the earlier ones) and the lists of what is measured (``GROWS``), which
+    may gain entries but not change or lose one."""
     stored = read_json(zoo_dir(out, preset) / "preset.json")
     if not stored:
         return
@@ -84,9 +98,12 @@ def check_preset(preset: ZooPreset, out: str | Path) -> None:
     }
 
     def same(key: str) -> bool:  # a setting added after the zoo was made: its default
+        was = stored.get(key)
         if key not in stored and key in defaults:
-            return current[key] == json.loads(json.dumps(defaults[key]))
-        return stored.get(key) == current.get(key)
+            was = json.loads(json.dumps(defaults[key]))
+        if key in GROWS:
+            return _grown(was, current.get(key))
+        return was == current.get(key)
 
     diff = [
         describe(key)
