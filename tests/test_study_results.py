@@ -61,3 +61,14 @@ def test_vision_finetune_geodesic_correction_claims():
     assert all(0.99 < v < 1.01 for k, v in mix.items() if k not in low)
     attn = [m(r, "geodesic-inv-attn", 0.05) / m(r, "geodesic-inv", 0.05) for r in rows]
     assert 0.95 < min(attn) and max(attn) < 1.03
+
+
+@pytest.mark.parametrize("folder", sorted(POPULATIONS))
+def test_summary_calibrates_to_the_presets_target(folder):
+    """The exploratory summary uses the target the preset fixed, not one derived from
+    the measured values (which would move whenever a measure is added)."""
+    summary = json.loads((RESULTS / folder / "summary.json").read_text())
+    assert summary["target_median_increase"] == get_preset(*POPULATIONS[folder]).target
+    stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
+    for name, entry in stored["measures"].items():
+        assert summary["calibrated"][name]["rho"] == entry["rho"]

@@ -324,16 +324,19 @@ VISION_FINETUNE = ZooPreset(
     n_points=2048,
     measure_batch=256,
     n_iters=20,
-    measures=MAIN_MEASURES,
+    # adaptive-linf added after the main grid was measured, with its own pilot on the
+    # same pilot models (finetune-pilot/linf); it is reported, not an endpoint
+    measures=(*MAIN_MEASURES, "adaptive-linf"),
     # fixed by its pilot (docs/results/study/finetune-pilot, propose_protocol) before
     # any population model was trained
     rho_factors={
         "adaptive": (2.0, 4.0, 8.0, 16.0),
         "geodesic-inv": (0.25, 0.5, 1.0, 2.0),
         "geodesic-mix": (0.5, 1.0, 2.0, 4.0),
+        "adaptive-linf": (0.25, 0.5, 1.0, 2.0),
     },
     target=0.01,
-    primary={"adaptive": 8.0, "geodesic-inv": 1.0, "geodesic-mix": 2.0},
+    primary={"adaptive": 8.0, "geodesic-inv": 1.0, "geodesic-mix": 2.0, "adaptive-linf": 1.0},
     secondary=TEXT_SEEDS.secondary,
     average_case=MAIN_MEASURES,
     traces=("hessian-trace-adaptive", "hessian-trace-inv", "hessian-trace-mix"),

@@ -86,7 +86,9 @@ def within_levels(
 def analyse(
     preset: ZooPreset, metas: list[dict], records: list[dict], target: float | None = None
 ) -> dict:
-    """Every statistic of the report (a JSON-able dict)."""
+    """Every statistic of the report (a JSON-able dict). The calibration target is
+    ``target``, else the preset's, else the median over measures of the median loss
+    increase at the middle of each grid."""
     gaps = {
         "error": np.array([m["error_gap"] for m in metas]),
         "loss": np.array([m["loss_gap"] for m in metas]),
@@ -110,8 +112,10 @@ def analyse(
         finite = [e for e in entries.values() if np.isfinite(e["tau_error"]["tau"])]
         if finite:
             best[name] = max(finite, key=lambda e: abs(e["tau_error"]["tau"]))
-    # calibration: a common target median loss increase; per measure the grid radius
-    # whose median increase is closest to it in log scale
+    # calibration: a common target median loss increase (the preset's, when it fixes
+    # one); per measure the grid radius whose median increase is closest to it in log scale
+    if target is None:
+        target = preset.target
     if target is None:
         mids = [
             list(entries.values())[len(entries) // 2]["median_increase"]
