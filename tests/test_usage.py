@@ -421,3 +421,19 @@ def test_out_of_memory_is_one_line(monkeypatch, bert_dir, text_csv, capsys):
     code = main(["measure", str(bert_dir), "--data", str(text_csv)])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "--batch-size" in err
+
+
+def test_zoo_seed_noise_is_checked_before_any_work(tmp_path, capsys):
+    """--seed-noise: only for a star-design report, and a file with the gap's spread."""
+    from geosharp.io import write_json_atomic
+
+    out = ["--out", str(tmp_path)]
+    code = main(["zoo", "report", "--preset", "smoke", *out, "--seed-noise", "x.json"])
+    assert "star-design" in _one_line_error(capsys, code)
+    hparams = ["zoo", "report", "--zoo", "text", "--preset", "hparams", *out]
+    code = main([*hparams, "--seed-noise", str(tmp_path / "missing.json")])
+    assert "missing.json" in _one_line_error(capsys, code)
+    write_json_atomic(tmp_path / "e.json", {"spread": {"error_gap": {"sd": -1}}})
+    code = main([*hparams, "--seed-noise", str(tmp_path / "e.json")])
+    assert "not a number >= 0" in _one_line_error(capsys, code)
+    assert not (tmp_path / "text").exists()  # nothing was started

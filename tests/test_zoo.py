@@ -462,15 +462,45 @@ def test_star_design_population_reports_the_granulated_tau(tmp_path):
         assert differ == ({hp["varied"]} if hp["varied"] else set())
     zoo.train_zoo(preset, tmp_path, progress=False)
     zoo.measure_zoo(preset, tmp_path, progress=False)
-    zoo.report_zoo(preset, tmp_path, population="text/star")
+    zoo.report_zoo(preset, tmp_path, population="text/star", seed_sd=0.01)
     study = json.loads((tmp_path / "text" / "report" / "endpoints.json").read_text())
     gran = study["granulated"]
     assert gran["n_bases"] == 2
+    assert {a: c["pairs"] for a, c in gran["seed_noise"]["per_axis"].items()} == {
+        "lr": 2,
+        "word_dropout": 2,
+    }
+    assert "Seed-level noise" in (tmp_path / "text/report/report.md").read_text()
     for entry in gran["by_measure"].values():
         # groups with a defined tau (the smoke models' gaps can tie): at most 2 per axis
         assert all(1 <= d["groups"] <= 2 for d in entry["per_axis"].values())
         assert -1.0 <= entry["granulated"] <= 1.0
     assert "Granulated tau on the star design" in (tmp_path / "text/report/report.md").read_text()
+
+
+def test_seed_noise_keeps_the_pairs_whose_gaps_differ_by_more_than_seeds_do():
+    """Variants along ``lr`` move the gap by 0.1, along ``wd`` by 0.001: with a seed sd
+    of 0.01 (threshold 1.96 sqrt(2) 0.01 = 0.028) only the ``lr`` pairs are above seed
+    noise, and the granulated tau on them is that of a measure equal to the gap."""
+    from geosharp.studies.endpoints import format_endpoints
+    from geosharp.studies.zoo.report import granulated_study
+
+    preset = dataclasses.replace(_endpoint_preset(), design="star", axes=dict(lr=[1, 2], wd=[1, 2]))
+    rows = []
+    for b, root in enumerate([0.1, 0.2, 0.3]):
+        for varied, gap in ((None, root), ("lr", root + 0.1), ("wd", root - 0.001)):
+            measures = {"adaptive": {0.1: gap}}
+            rows.append(dict(base=b, varied=varied, error_gap=gap, measures=measures))
+    study = dict(measures={"adaptive": {"rho": 0.1}}, baselines={})
+    assert "seed_noise" not in granulated_study(preset, rows, study)
+    gran = granulated_study(preset, rows, study, seed_sd=0.01)
+    noise = gran["seed_noise"]
+    assert noise["threshold"] == pytest.approx(1.96 * math.sqrt(2) * 0.01)
+    assert noise["per_axis"] == {"lr": dict(pairs=3, above=3), "wd": dict(pairs=3, above=0)}
+    assert noise["granulated"]["adaptive"] == 1.0
+    assert gran["by_measure"]["adaptive"]["granulated"] == 1.0  # wd pairs agree too
+    text = format_endpoints(dict(_minimal_study(), granulated=gran))
+    assert "lr 3/3, wd 0/3" in text and "adaptive +1.00" in text
 
 
 def test_star_groups_drop_a_base_without_its_own_model():

@@ -339,6 +339,23 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
             lines.append(
                 f"| {name} | {_ci(e['granulated'], e['ci'])} | " + " | ".join(cells) + " |"
             )
+        if gran.get("seed_noise"):
+            noise = gran["seed_noise"]
+            counts = ", ".join(
+                f"{a} {c['above']}/{c['pairs']}" for a, c in noise["per_axis"].items()
+            )
+            lines += [
+                "",
+                f"Seed-level noise: the gap's sd over the seed population is "
+                f"{noise['seed_sd']:.4g}, so two seeds of one recipe differ by more than "
+                f"{noise['threshold']:.4g} in 5% of cases (normal gaps). One-axis pairs "
+                f"whose gaps differ by more: {counts}. Granulated tau on those pairs alone: "
+                + ", ".join(
+                    f"{name} {t:+.2f}" if t is not None and np.isfinite(t) else f"{name} n/a"
+                    for name, t in noise["granulated"].items()
+                )
+                + ".",
+            ]
     if study.get("split_half"):
         lines += [
             "",
@@ -352,11 +369,21 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
                 f"| {m} | {h['tau']:+.2f} | {h['pearson']:+.3f} | {h['spearman_brown']:+.3f} |"
             )
     if study.get("spread"):
-        lines += ["", "## Spread over the kept models", "", "| | mean | sd | min | max |"]
-        lines.append("|---|---|---|---|---|")
+        lines += [
+            "",
+            "## Spread over the kept models",
+            "",
+            "The gap, the errors and every measure at its calibrated radius (in a seed "
+            "population: the seed-level noise).",
+            "",
+            "| | mean | sd | sd / mean | min | max |",
+            "|---|---|---|---|---|---|",
+        ]
         for column, v in study["spread"].items():
+            cv = f"{v['sd'] / v['mean']:.3g}" if v["mean"] else "n/a"
             lines.append(
-                f"| {column} | {v['mean']:.4f} | {v['sd']:.4f} | {v['min']:.4f} | {v['max']:.4f} |"
+                f"| {column} | {v['mean']:.4g} | {v['sd']:.4g} | {cv} | {v['min']:.4g} "
+                f"| {v['max']:.4g} |"
             )
     if study["excluded"]:
         lines += [

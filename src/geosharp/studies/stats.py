@@ -26,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "BootstrapCI",
+    "above_seed_noise",
     "bootstrap_ci",
     "calibrated_index",
     "granulated_tau",
@@ -34,6 +35,7 @@ __all__ = [
     "kendall_tau",
     "kendall_tau_with_ci",
     "partial_tau",
+    "seed_noise_threshold",
     "split_half",
     "tau_difference",
 ]
@@ -357,3 +359,26 @@ def granulated_tau_ci(
     low, high = np.quantile(reps, [alpha, 1.0 - alpha])
     std = float(reps.std(ddof=1)) if reps.size > 1 else 0.0
     return BootstrapCI(estimate, float(low), float(high), std, level, int(reps.size))
+
+
+def above_seed_noise(
+    gap_a: Sequence[float], gap_b: Sequence[float], seed_sd: float, z: float = 1.96
+) -> np.ndarray:
+    r"""Whether two models' gaps differ by more than seed noise alone explains:
+    ``|g_a - g_b| > z sqrt(2) s``, with ``s`` the sd of the gap over seeds of one recipe
+    (a seed population), so ``z sqrt(2) s`` is the half-width of a 95% interval for the
+    difference of two independent seeds' gaps.
+
+    >>> above_seed_noise([0.10, 0.10], [0.12, 0.20], 0.01).tolist()
+    [False, True]
+    """
+    diff = np.abs(np.asarray(gap_a, np.float64) - np.asarray(gap_b, np.float64))
+    return diff > seed_noise_threshold(seed_sd, z)
+
+
+def seed_noise_threshold(seed_sd: float, z: float = 1.96) -> float:
+    """``z sqrt(2) s``: the gap difference two seeds of one recipe stay below with
+    probability 95% (normal gaps, ``z = 1.96``)."""
+    if not seed_sd >= 0:
+        raise ValueError(f"seed_sd must be a non-negative number, got {seed_sd!r}")
+    return float(z * np.sqrt(2.0) * seed_sd)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from ... import distributed as gd
+from ...errors import UsageError
 from ...io import write_text_atomic
 from ..figures import require_matplotlib
 from .measure import measure_zoo
@@ -48,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/zoo", help="results directory (runs/zoo)")
     p.add_argument("--n-models", type=positive_int, help="override the preset's number of models")
     p.add_argument("--target", type=positive_float, help="calibration target median loss increase")
+    p.add_argument(
+        "--seed-noise",
+        metavar="ENDPOINTS_JSON",
+        help="report of a star-design population: the seed population's endpoints.json, "
+        "whose gap sd marks the one-axis pairs above seed noise",
+    )
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
     add_device(p)
     p.add_argument("--no-progress", action="store_true", help="no progress reports")
@@ -65,6 +73,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(_parser().parse_args(argv))
 
 
+def _seed_noise(args: argparse.Namespace, preset) -> float | None:
+    """The gap's sd in the seed population's ``endpoints.json`` (``--seed-noise``),
+    checked before any work."""
+    if args.seed_noise is None:
+        return None
+    if preset.design != "star" or args.action not in ("report", "all"):
+        raise UsageError(
+            "--seed-noise applies to the report of a star-design population "
+            "(e.g. zoo report --zoo text --preset hparams): leave it out here"
+        )
+    path = Path(args.seed_noise)
+    try:
+        sd = json.loads(path.read_text())["spread"]["error_gap"]["sd"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"--seed-noise {path}: not a readable endpoints.json with the gap's spread; "
+            "pass the seed population's report/endpoints.json"
+        ) from None
+    if not isinstance(sd, (int, float)) or not sd >= 0:
+        raise UsageError(f"--seed-noise {path}: the gap's sd is {sd!r}, not a number >= 0")
+    return float(sd)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the zoo action for parsed options; settings are checked before any work."""
 
@@ -75,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         preset = dataclasses.replace(preset, n_models=args.n_models)
     device = check_device(args.device)
     check_preset(preset, args.out)
+    seed_sd = _seed_noise(args, preset)
     if args.action in ("report", "all"):
         require_matplotlib()  # the report's figures; before hours of training
     torch.set_num_threads(max(1, args.threads))
@@ -99,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"pilot of {len(records)} models: {path}")
     if args.action in ("report", "all") and rank == 0:
         summary = report_zoo(
-            preset, args.out, target=args.target, population=f"{args.zoo}/{args.preset}"
+            preset,
+            args.out,
+            target=args.target,
+            population=f"{args.zoo}/{args.preset}",
+            seed_sd=seed_sd,
         )
         path = Path(args.out) / preset.zoo / "report" / "report.md"
         print(f"report of {summary['n_models']} models: {path}")

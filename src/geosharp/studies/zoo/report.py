@@ -317,12 +317,16 @@ def write_scatter(
 
 
 def report_zoo(
-    preset: ZooPreset, out: str | Path, target: float | None = None, population: str | None = None
+    preset: ZooPreset,
+    out: str | Path,
+    target: float | None = None,
+    population: str | None = None,
+    seed_sd: float | None = None,
 ) -> dict:
     """Write ``report/report.md``, ``report/summary.json``, ``report/models.csv`` (one row
     per model) and the scatter PNGs; for a preset with a calibration target also
     ``report/endpoints.json`` (:func:`endpoint_study`, computed from ``models.csv`` as
-    written) and ``report/tau_curves.png``."""
+    written, with ``seed_sd`` for a star design) and ``report/tau_curves.png``."""
     metas, records = _load_zoo(preset, out)
     if len(metas) < 2:
         raise UsageError(
@@ -341,7 +345,7 @@ def report_zoo(
         rows = rows_from_table(table)
         included, _ = split_included(rows, population_protocol(preset), preset.measures)
         if len(included) >= 3:
-            study = endpoint_study(preset, rows, population or preset.zoo)
+            study = endpoint_study(preset, rows, population or preset.zoo, seed_sd)
             write_json_atomic(rdir / "endpoints.json", study)
             plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png")
             text = format_endpoints(study, "tau_curves.png") + "\n" + text
@@ -447,11 +451,15 @@ def population_protocol(preset: ZooPreset, population: str = "") -> Protocol:
     )
 
 
-def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict:
+def endpoint_study(
+    preset: ZooPreset, rows: list[dict], population: str, seed_sd: float | None = None
+) -> dict:
     """The pre-registered endpoints of a population (:func:`~geosharp.studies.endpoints.
     endpoints` with the preset's protocol), plus the split-half reliability of every
-    measure at its calibrated radius, the spread of the gap over the kept models, and
-    the tau-against-loss-increase curves."""
+    measure at its calibrated radius, the spread over the kept models of the gap, the
+    errors and every measure there (in a seed population: the seed-level noise), and
+    the tau-against-loss-increase curves. ``seed_sd``, the gap's sd over a seed
+    population of the same base, marks the star design's pairs above seed noise."""
     protocol = population_protocol(preset, population)
     study = endpoints(rows, protocol, preset.measures)
     kept, _ = split_included(rows, protocol, preset.measures)
@@ -460,9 +468,12 @@ def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict
         halves = [r["per_batch"].get(m, {}).get(entry["rho"], []) for r in kept]
         if all(len(h) == 2 for h in halves):
             study["split_half"][m] = split_half([h[0] for h in halves], [h[1] for h in halves])
+    columns = {c: [r[c] for r in kept] for c in ("error_gap", "test_error", "train_error")}
+    for m, entry in study["measures"].items():
+        columns[f"{m}@{entry['rho']:g}"] = [r["measures"][m][entry["rho"]] for r in kept]
     spread = {}
-    for column in ("error_gap", "test_error", "train_error"):
-        v = np.array([r[column] for r in kept], dtype=np.float64)
+    for column, values in columns.items():
+        v = np.array(values, dtype=np.float64)
         spread[column] = dict(
             mean=float(v.mean()), sd=float(v.std(ddof=1)), min=float(v.min()), max=float(v.max())
         )
@@ -470,7 +481,7 @@ def endpoint_study(preset: ZooPreset, rows: list[dict], population: str) -> dict
     study["tau_curves"] = tau_curves(kept, preset.measures, n_boot=500)
     study["secondary"] = secondary_study(preset, kept)
     if preset.design == "star":
-        study["granulated"] = granulated_study(preset, kept, study)
+        study["granulated"] = granulated_study(preset, kept, study, seed_sd)
     return study
 
 
@@ -492,11 +503,22 @@ def star_groups(rows: list[dict], axes) -> list[dict[str, list[int]]]:
     return groups
 
 
-def granulated_study(preset: ZooPreset, rows: list[dict], study: dict) -> dict:
+def granulated_study(
+    preset: ZooPreset, rows: list[dict], study: dict, seed_sd: float | None = None
+) -> dict:
     """Jiang et al.'s granulated tau on the star design's exact one-axis groups, for
     every main measure at its calibrated radius and every baseline, with a bootstrap
-    over base configurations, and the number of groups per axis."""
-    from ..stats import granulated_tau_ci, grouped_granulated_tau
+    over base configurations, and the number of groups per axis. With ``seed_sd`` (the
+    gap's sd over seeds of one recipe), ``seed_noise`` counts per axis the variants
+    whose gap differs from their base's by more than seed noise
+    (:func:`~geosharp.studies.stats.above_seed_noise`) and gives every column's
+    granulated tau on those pairs alone."""
+    from ..stats import (
+        above_seed_noise,
+        granulated_tau_ci,
+        grouped_granulated_tau,
+        seed_noise_threshold,
+    )
 
     groups = star_groups(rows, preset.axes)
     gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
@@ -511,7 +533,29 @@ def granulated_study(preset: ZooPreset, rows: list[dict], study: dict) -> dict:
         per_axis = grouped_granulated_tau(values, gap, pooled)["per_axis"]
         ci = granulated_tau_ci(values, gap, groups, n_boot=2000, seed=preset.seed)
         out[name] = dict(granulated=ci.estimate, ci=[ci.low, ci.high], per_axis=per_axis)
-    return dict(n_bases=len(groups), by_measure=out)
+    result = dict(n_bases=len(groups), by_measure=out)
+    if seed_sd is not None:
+        pairs: dict[str, list[list[int]]] = {}  # (base, variant) pairs above seed noise
+        counts: dict[str, dict[str, int]] = {}
+        for g in groups:
+            for axis, (root, *variants) in g.items():
+                c = counts.setdefault(axis, dict(pairs=0, above=0))
+                above = above_seed_noise(gap[[root] * len(variants)], gap[variants], seed_sd)
+                c["pairs"] += len(variants)
+                c["above"] += int(above.sum())
+                pairs.setdefault(axis, []).extend(
+                    [root, v] for v, a in zip(variants, above, strict=True) if a
+                )
+        result["seed_noise"] = dict(
+            seed_sd=float(seed_sd),
+            threshold=seed_noise_threshold(seed_sd),
+            per_axis=counts,
+            granulated={
+                name: grouped_granulated_tau(values, gap, pairs)["granulated"]
+                for name, values in columns.items()
+            },
+        )
+    return result
 
 
 def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
