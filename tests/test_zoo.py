@@ -389,6 +389,36 @@ def _minimal_study() -> dict:
     )  # fmt: skip
 
 
+def test_a_secondary_measure_with_its_own_primary_radius_is_measured_there():
+    from geosharp.measures import DEFAULT_RHO
+
+    preset = zoo.get_preset("text", "seeds")
+    more = dataclasses.replace(
+        preset,
+        secondary={**preset.secondary, "adaptive-linf": "adaptive"},
+        primary={**preset.primary, "adaptive-linf": 0.5},
+    )
+    second = more.passes()[1]
+    assert second["adaptive-linf"] == [DEFAULT_RHO["adaptive-linf"] * 0.5]
+    assert second["adaptive-attn"] == [more.primary_rho("adaptive")]  # the main's radius
+    from geosharp.studies.zoo.report import secondary_study
+
+    only = dataclasses.replace(more, secondary={"adaptive-linf": "adaptive"}, average_case=())
+    rng = np.random.default_rng(1)
+    rows = [
+        dict(
+            error_gap=float(rng.uniform()),
+            measures={
+                "adaptive": {only.primary_rho("adaptive"): 1.0 + i},
+                "adaptive-linf": {second["adaptive-linf"][0]: 2.0 * (1.0 + i)},
+            },
+        )
+        for i in range(5)
+    ]
+    out = secondary_study(only, rows)["adaptive-linf"]
+    assert out["rho"] == second["adaptive-linf"][0] and out["median_value_ratio"] == 2.0
+
+
 def test_secondary_keys_are_reported_once_every_model_has_them():
     """The Hessian traces come in a last pass of their own: until every model has a key,
     the secondary study leaves it out and reports the keys that are in."""

@@ -302,7 +302,8 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
             "Ablations keep one of the geodesic measure's two terms, attention-only "
             "variants perturb the query/key/value/output pairs only, average cases "
             "replace the worst case by the mean over random directions, Hessian traces "
-            "(Hutchinson) in the main measure's geometry have no radius.",
+            "(Hutchinson) in the main measure's geometry have no radius; a measure with a "
+            "primary radius of its own (adaptive-linf) is measured there.",
             "",
             "| measure | main measure | rho | tau with the gap | tau(main) - tau(this) "
             "| median value / main's |",

@@ -98,6 +98,14 @@ class ZooPreset:
 
         return float(DEFAULT_RHO[measure] * self.primary[measure])
 
+    def secondary_rho(self, key: str) -> float:
+        """Where a secondary sharpness key is measured: at its own primary radius when
+        ``primary`` fixes one (a measure with a pilot of its own, e.g. ``adaptive-linf``),
+        else at the primary radius of the main measure it is compared with."""
+        if key in self.primary:
+            return self.primary_rho(key)
+        return self.primary_rho(self.secondary_keys()[key])
+
     def secondary_keys(self) -> dict[str, str]:
         """The secondary pass: each key (as in
         :func:`~geosharp.studies.zoo.measure.measure_grid`) -> the main measure it is
@@ -117,7 +125,7 @@ class ZooPreset:
 
         main = {name: self.rho_grid(name) for name in self.measures}
         keys = self.secondary_keys()
-        second = {k: [self.primary_rho(b)] for k, b in keys.items() if k not in HESSIAN_TRACES}
+        second = {k: [self.secondary_rho(k)] for k in keys if k not in HESSIAN_TRACES}
         traces = {k: [0.0] for k in keys if k in HESSIAN_TRACES}
         return [grid for grid in (main, second, traces) if grid]
 

@@ -559,7 +559,8 @@ def granulated_study(
 
 
 def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
-    """Each secondary measure and average case at its main measure's primary radius,
+    """Each secondary measure and average case at its main measure's primary radius
+    (or its own, :meth:`~geosharp.studies.zoo.presets.ZooPreset.secondary_rho`),
     and each Hessian trace beside its geometry's main measure there: tau with the gap,
     the paired difference ``tau(main) - tau(secondary)`` (does the ablated term
     matter? does worst-case sharpness rank better than curvature?) and the median
@@ -578,14 +579,14 @@ def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
     for key, base in keys.items():
         rho = preset.primary_rho(base)
         trace = key in HESSIAN_TRACES
-        at = 0.0 if trace else rho
+        at = 0.0 if trace else preset.secondary_rho(key)
         v = np.array([r["measures"][key][at] for r in rows], dtype=np.float64)
         ref = np.array([r["measures"][base][rho] for r in rows], dtype=np.float64)
         ci = kendall_tau_with_ci(v, gap, **boot)
         diff = tau_difference(ref, v, gap, **boot)
         out[key] = dict(
             main=base,
-            rho=None if trace else rho,
+            rho=None if trace else at,
             tau=ci.estimate,
             ci=[ci.low, ci.high],
             main_minus_this=dict(tau_diff=diff.estimate, ci=[diff.low, diff.high]),
