@@ -254,7 +254,9 @@ TEXT_SEEDS = ZooPreset(
     # the pilot's loss increases at the ratio-rule radii (adaptive and mix x8: 0.07-0.09,
     # inv x1: 0.16-0.21), fixed before the population was measured
     target=0.1,
-    primary={"adaptive": 8.0, "geodesic-mix": 8.0, "geodesic-inv": 1.0},
+    # adaptive-linf: its own pilot (study/text-linf-pilot, the ratio rule on two pilot
+    # models) added it after 5 models' main grids, before any gap was looked at
+    primary={"adaptive": 8.0, "geodesic-mix": 8.0, "geodesic-inv": 1.0, "adaptive-linf": 0.125},
     secondary={
         "geodesic-norm-only-inv": "geodesic-inv",
         "geodesic-curvature-only-inv": "geodesic-inv",
@@ -263,6 +265,7 @@ TEXT_SEEDS = ZooPreset(
         "adaptive-attn": "adaptive",
         "geodesic-inv-attn": "geodesic-inv",
         "geodesic-mix-attn": "geodesic-mix",
+        "adaptive-linf": "adaptive",
     },
     average_case=MAIN_MEASURES,
     n_test=2000,
@@ -345,7 +348,7 @@ VISION_FINETUNE = ZooPreset(
     },
     target=0.01,
     primary={"adaptive": 8.0, "geodesic-inv": 1.0, "geodesic-mix": 2.0, "adaptive-linf": 1.0},
-    secondary=TEXT_SEEDS.secondary,
+    secondary={k: v for k, v in TEXT_SEEDS.secondary.items() if k != "adaptive-linf"},
     average_case=MAIN_MEASURES,
     traces=("hessian-trace-adaptive", "hessian-trace-inv", "hessian-trace-mix"),
     measure_vocabulary="full",
