@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ... import distributed as gd
 from ...data import move_batch
 from ...io import write_json_atomic
 from ..pilot import maximiser_check, primary_factor, radius_pilot
@@ -92,6 +93,7 @@ def pilot_zoo(
                 )
         record["seconds"] = time.time() - start
         write_json_atomic(pdir / f"{hp['id']}.json", record)
+    gd.barrier()  # every rank's records are written before any rank reads them
     return [read_json(pdir / f"{hp['id']}.json") for hp in hps]
 
 
