@@ -42,6 +42,7 @@ single process, so one script serves both cases.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -101,7 +102,13 @@ def init(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend)
+    atexit.register(_destroy)
     return rank_and_world()
+
+
+def _destroy() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
 
 
 def device(spec: str | torch.device | None = "auto") -> torch.device:
