@@ -1,11 +1,12 @@
-"""How the seed population's records in this folder were produced (not part of the
-package). Run from the repository root under ``torchrun`` (one thread per rank):
+"""How the text populations' records in ``<preset>/run/`` were produced (not part of
+the package). Run from the repository root under ``torchrun`` (one thread per rank):
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/seeds/run/driver.py
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/seeds/run/driver.py --phase2
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py seeds
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py seeds --phase2
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py hparams
 
-It does what ``geosharp zoo all --zoo text --preset seeds --out runs/seeds`` does, in
-an order that survives the loss of the machine (weights are not committed):
+It does what ``geosharp zoo all --zoo text --preset <preset> --out runs/<preset>`` does,
+in an order that survives the loss of the machine (weights are not committed):
 
 * phase 1, the main grid, ``world_size`` models at a time: train them, measure them,
   then the next ones, so a lost machine loses only the models in flight;
@@ -13,9 +14,10 @@ an order that survives the loss of the machine (weights are not committed):
   retraining any model whose weights are gone.
 
 After every step rank 0 mirrors the small records (``preset.json``, each model's
-``meta.json``, ``measures/*.json``) from ``runs/seeds/text`` into ``text/`` here, and
-at start restores the missing ones from here. ``geosharp zoo report --zoo text --preset
-seeds --out docs/results/study/seeds/run`` reads the records alone."""
+``meta.json``, ``measures/*.json``) from ``runs/<preset>/text`` into
+``docs/results/study/<preset>/run/text``, and at start restores the missing ones from
+there. ``geosharp zoo report --zoo text --preset <preset> --out
+docs/results/study/<preset>/run`` reads the records alone."""
 
 from __future__ import annotations
 
@@ -33,10 +35,11 @@ from geosharp.studies.zoo.measure import measure_zoo
 from geosharp.studies.zoo.presets import get_preset
 from geosharp.studies.zoo.train import train_zoo
 
-OUT = Path("runs/seeds")
-MIRROR = Path("docs/results/study/seeds/run")
-FULL = get_preset("text", "seeds")
-MAIN_ONLY = dataclasses.replace(FULL, secondary={}, average_case=())
+NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "seeds")
+OUT = Path("runs") / NAME
+MIRROR = Path("docs/results/study") / NAME / "run"
+FULL = get_preset("text", NAME)
+MAIN_ONLY = dataclasses.replace(FULL, secondary={}, average_case=(), traces=())
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
