@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from geosharp import distributed as gd
+from geosharp.io import write_text_atomic
 from geosharp.studies.zoo.measure import measure_zoo
 from geosharp.studies.zoo.presets import get_preset
+from geosharp.studies.zoo.store import missing
 from geosharp.studies.zoo.train import train_zoo
 
 NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "seeds")
@@ -43,17 +43,11 @@ MAIN_ONLY = dataclasses.replace(FULL, secondary={}, average_case=(), traces=())
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    write_text_atomic(dst, src.read_text())
 
 
 def main_grid_done(record: dict) -> bool:
-    grid = record.get("measures", {})
-    return "baselines" in record and all(
-        len(grid.get(name, {})) == len(FULL.rho_grid(name)) for name in FULL.measures
-    )
+    return "baselines" in record and not missing(record, MAIN_ONLY.passes()[0])
 
 
 def restore(phase: int) -> None:
