@@ -51,6 +51,8 @@ def test_endpoints_find_the_measure_that_follows_the_gap(tmp_path):
     assert adaptive["rho"] == 0.1 and inv["rho"] == 0.05  # calibrated to 0.01
     assert adaptive["median_ratio_2rho"] == pytest.approx(4.0)  # values grow as rho^2
     assert inv["median_ratio_2rho"] is None  # 2 rho is off the grid
+    assert inv["median_ratio_from_half"] == pytest.approx(4.0)  # rho / 2 is on it
+    assert adaptive["median_ratio_from_half"] == pytest.approx(4.0)
     assert inv["tau"] > 0.8 and adaptive["ci"][0] < 0 < adaptive["ci"][1]
     diff = result["differences"]["geodesic-inv minus adaptive"]
     assert diff["ci"][0] > 0.5 and diff["abs_ci"][0] > 0.3

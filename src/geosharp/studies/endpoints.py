@@ -150,14 +150,17 @@ def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str])
     for m in measures:
         k = calibrated_index(values[m], protocol.target)
         rho = radii[m][k]
-        ratio = None  # JSON null when 2 rho is not on the grid
+        ratio = half = None  # JSON null when 2 rho (rho / 2) is not on the grid
         if 2 * rho in radii[m]:
             ratio = float(np.median(values[m][radii[m].index(2 * rho)] / values[m][k]))
+        if rho / 2 in radii[m]:
+            half = float(np.median(values[m][k] / values[m][radii[m].index(rho / 2)]))
         ci = kendall_tau_with_ci(values[m][k], gap, **boot)
         result["measures"][m] = dict(
             rho=rho,
             median_loss_increase=float(np.median(values[m][k])),
             median_ratio_2rho=ratio,
+            median_ratio_from_half=half,
             tau=ci.estimate,
             ci=[ci.low, ci.high],
             partial_tau_given_train_loss=partial_tau(values[m][k], gap, loss),
@@ -263,13 +266,14 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
         f"intervals over models ({p['n_boot']} resamples).",
         "",
         "| measure | calibrated rho | median loss increase | median s(2rho)/s(rho) "
-        "| tau with the gap | partial tau given training loss |",
-        "|---|---|---|---|---|---|",
+        "| median s(rho)/s(rho/2) | tau with the gap | partial tau given training loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m, e in study["measures"].items():
-        ratio = "n/a" if e["median_ratio_2rho"] is None else f"{e['median_ratio_2rho']:.2f}"
+        ratios = [e["median_ratio_2rho"], e.get("median_ratio_from_half")]
+        ratio, half = ("n/a" if r is None else f"{r:.2f}" for r in ratios)
         lines.append(
-            f"| {m} | {e['rho']:.4g} | {e['median_loss_increase']:.4g} | {ratio} "
+            f"| {m} | {e['rho']:.4g} | {e['median_loss_increase']:.4g} | {ratio} | {half} "
             f"| {_ci(e['tau'], e['ci'])} | {e['partial_tau_given_train_loss']:+.2f} |"
         )
     lines += [

@@ -165,6 +165,10 @@ def analyse(
     )
 
 
+def _signed(x: float) -> str:
+    return f"{x:+.2f}" if np.isfinite(x) else "n/a"
+
+
 def _fmt(t: dict) -> str:
     if not np.isfinite(t["tau"]):
         return "n/a"
@@ -177,7 +181,8 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
     lines = [
         f"# Sharpness vs generalization: {zoo} zoo",
         "",
-        f"{summary['n_models']} models; hyperparameter axes varied: {', '.join(summary['axes'])}.",
+        f"{summary['n_models']} models; hyperparameter axes varied: "
+        f"{', '.join(summary['axes']) or 'none (the models differ in their seed only)'}.",
         "Kendall tau (tau-b) between each measure and the generalization gap, with 95% "
         "percentile bootstrap intervals over models.",
         "",
@@ -214,7 +219,7 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
         gran = e["granulated_error"]["granulated"]
         lines.append(
             f"| {name} | {e['rho']:.4g} | {_fmt(e['tau_error'])} | {_fmt(e['tau_loss'])} | "
-            f"{gran:+.2f} | {c['rho']:.4g} | {_fmt(c['tau_error'])} |"
+            f"{_signed(gran)} | {c['rho']:.4g} | {_fmt(c['tau_error'])} |"
         )
     lines += [
         "",
@@ -228,7 +233,7 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
         for e in entries.values():
             lines.append(
                 f"| {name} | {e['rho']:.4g} | {e['median_increase']:.4g} | {_fmt(e['tau_error'])} "
-                f"| {_fmt(e['tau_loss'])} | {e['granulated_error']['granulated']:+.2f} |"
+                f"| {_fmt(e['tau_loss'])} | {_signed(e['granulated_error']['granulated'])} |"
             )
     strat = summary.get("within_label_noise") or {}
     if strat:
@@ -259,8 +264,7 @@ def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
                 ]
                 rho = summary[sel][name]["rho"]
                 row = f"| {name} | {sel} ({rho:.4g}) | " + " | ".join(cells)
-                mean = f"{d['mean']:+.2f}" if np.isfinite(d["mean"]) else "n/a"
-                lines.append(row + f" | {mean} |")
+                lines.append(row + f" | {_signed(d['mean'])} |")
     lines += [
         "",
         "Granulated tau: per hyperparameter axis, the mean of sign(d measure) sign(d gap) over "
