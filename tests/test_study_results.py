@@ -14,7 +14,7 @@ from geosharp.studies.zoo import get_preset
 from geosharp.studies.zoo.report import endpoint_study, rows_from_table
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "study"
-POPULATIONS = {"vision-finetune": ("vision-finetune", "full")}
+POPULATIONS = {"vision-finetune": ("vision-finetune", "full"), "seeds": ("text", "seeds")}
 
 
 @pytest.mark.parametrize("folder", sorted(POPULATIONS))
@@ -26,6 +26,8 @@ def test_endpoints_recomputed_from_models_csv(folder):
     for name, entry in stored["measures"].items():
         assert fresh["measures"][name]["rho"] == entry["rho"]
         assert fresh["measures"][name]["tau"] == pytest.approx(entry["tau"], abs=1e-12)
+        for key in ("median_ratio_2rho", "median_ratio_from_half"):
+            assert fresh["measures"][name][key] == pytest.approx(entry[key])
     for name, entry in stored["differences"].items():
         assert fresh["differences"][name]["tau_diff"] == pytest.approx(entry["tau_diff"], abs=1e-12)
         assert fresh["differences"][name]["ci"] == pytest.approx(entry["ci"], abs=1e-12)
@@ -72,3 +74,30 @@ def test_summary_calibrates_to_the_presets_target(folder):
     stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
     for name, entry in stored["measures"].items():
         assert summary["calibrated"][name]["rho"] == entry["rho"]
+
+
+def test_seed_population_tau_changes_sign_along_the_grid():
+    """docs/zoo.md on the seed population: at the smallest radius of every grid (linear
+    regime) sharpness follows the training loss and correlates negatively with the gap;
+    at the largest it follows the test error instead and correlates positively."""
+    from scipy.stats import kendalltau
+
+    rows = rows_from_table((RESULTS / "seeds" / "models.csv").read_text())
+    col = lambda key: np.array([r[key] for r in rows])  # noqa: E731
+    gap, loss, test = col("error_gap"), col("train_loss"), col("test_error")
+    for name in ("adaptive", "geodesic-inv", "geodesic-mix"):
+        radii = sorted(rows[0]["measures"][name])
+        small, large = (np.array([r["measures"][name][rho] for r in rows]) for rho in radii[::3])
+        assert kendalltau(small, gap)[0] < -0.15 and kendalltau(large, gap)[0] > 0.3
+        assert kendalltau(small, loss)[0] > 0.25 and kendalltau(large, loss)[0] < -0.2
+        assert abs(kendalltau(small, test)[0]) < 0.05 and kendalltau(large, test)[0] > 0.25
+
+
+def test_report_of_a_seed_population_names_no_axes():
+    """A population without hyperparameter axes has no granulated tau: the report says
+    so instead of printing nan."""
+    from geosharp.studies.zoo.report import format_report
+
+    summary = json.loads((RESULTS / "seeds" / "summary.json").read_text())
+    text = format_report(summary)
+    assert "nan" not in text and "differ in their seed only" in text
