@@ -91,6 +91,25 @@ def test_seed_population_tau_changes_sign_along_the_grid():
         assert kendalltau(small, gap)[0] < -0.15 and kendalltau(large, gap)[0] > 0.3
         assert kendalltau(small, loss)[0] > 0.25 and kendalltau(large, loss)[0] < -0.2
         assert abs(kendalltau(small, test)[0]) < 0.05 and kendalltau(large, test)[0] > 0.25
+        assert kendalltau(small, col("grad_norm"))[0] > 0.25
+
+
+def test_seed_population_batches_rank_the_models_in_opposite_orders():
+    """docs/zoo.md: at the calibrated radii the two measurement batches' values are
+    negatively rank-correlated, and each alone correlates with the gap more weakly than
+    their mean."""
+    from scipy.stats import kendalltau
+
+    stored = json.loads((RESULTS / "seeds" / "endpoints.json").read_text())
+    rows = rows_from_table((RESULTS / "seeds" / "models.csv").read_text())
+    gap = np.array([r["error_gap"] for r in rows])
+    for name, entry in stored["measures"].items():
+        between = stored["split_half"][name]["tau"]
+        assert -0.25 < between < -0.2
+        halves = np.array([r["per_batch"][name][entry["rho"]] for r in rows]).T
+        assert kendalltau(halves[0], halves[1])[0] == pytest.approx(between)
+        for half in halves:
+            assert 0 < kendalltau(half, gap)[0] < entry["tau"]
 
 
 def test_report_of_a_seed_population_names_no_axes():
@@ -101,3 +120,19 @@ def test_report_of_a_seed_population_names_no_axes():
     summary = json.loads((RESULTS / "seeds" / "summary.json").read_text())
     text = format_report(summary)
     assert "nan" not in text and "differ in their seed only" in text
+
+
+@pytest.mark.parametrize("folder", sorted(POPULATIONS))
+def test_no_paired_difference_excludes_zero(folder):
+    """README: in every measured population each paired interval of
+    tau(geodesic) - tau(adaptive), at the calibrated radius and at every grid
+    position, contains 0; and the training loss and error rank the gap more strongly
+    than any measure at its calibrated radius."""
+    stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
+    intervals = [d["ci"] for d in stored["differences"].values()]
+    for diffs in stored["differences_by_factor"].values():
+        intervals += [d["ci"] for d in (diffs.values() if isinstance(diffs, dict) else diffs)]
+    assert len(intervals) == 10 and all(lo <= 0 <= hi for lo, hi in intervals)
+    strongest = max(abs(e["tau"]) for e in stored["measures"].values())
+    baseline = min(abs(stored["baselines"][k]["tau"]) for k in ("train_loss", "train_error"))
+    assert stored["n_models"] == 40 and strongest < baseline
