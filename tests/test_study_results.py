@@ -136,3 +136,23 @@ def test_no_paired_difference_excludes_zero(folder):
     strongest = max(abs(e["tau"]) for e in stored["measures"].values())
     baseline = min(abs(stored["baselines"][k]["tau"]) for k in ("train_loss", "train_error"))
     assert stored["n_models"] == 40 and strongest < baseline
+
+
+def test_seed_population_batch_losses_rank_the_models_alike():
+    """docs/zoo.md: the two batches' unperturbed losses rank the seeds alike, and at the
+    smallest radii the halves' sharpness is unrelated, each following its own loss."""
+    from scipy.stats import kendalltau
+
+    records = [
+        json.loads(p.read_text())
+        for p in sorted((RESULTS / "seeds" / "run" / "text" / "measures").glob("*.json"))
+    ]
+    assert len(records) == 40
+    for name in ("adaptive", "geodesic-inv", "geodesic-mix"):
+        smallest = min(records[0]["measures"][name], key=float)
+        entries = [r["measures"][name][smallest] for r in records]
+        loss = np.array([e["per_batch_loss"] for e in entries])
+        value = np.array([e["per_batch"] for e in entries])
+        assert kendalltau(loss[:, 0], loss[:, 1])[0] == pytest.approx(0.28, abs=0.005)
+        assert abs(kendalltau(value[:, 0], value[:, 1])[0]) < 0.05
+        assert min(kendalltau(value[:, b], loss[:, b])[0] for b in (0, 1)) > 0.35
