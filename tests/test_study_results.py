@@ -157,3 +157,49 @@ def test_seed_population_batch_losses_rank_the_models_alike():
         assert tau_b(loss[:, 0], loss[:, 1]) == pytest.approx(0.28, abs=0.005)
         assert abs(tau_b(value[:, 0], value[:, 1])) < 0.05
         assert min(tau_b(value[:, b], loss[:, b]) for b in (0, 1)) > 0.35
+
+
+def test_seed_population_secondary_pass_claims():
+    """docs/zoo.md on the seed population's secondary pass: no curvature term, attention
+    carries the geodesic worst case, and every worst-case measure's tau follows its
+    median loss increase."""
+    stored = json.loads((RESULTS / "seeds" / "endpoints.json").read_text())
+    rows = rows_from_table((RESULTS / "seeds" / "models.csv").read_text())
+    gap = np.array([r["error_gap"] for r in rows])
+    m = lambda key, rho: np.array([r["measures"][key][rho] for r in rows])  # noqa: E731
+    inv, mix, ad = m("geodesic-inv", 0.05), m("geodesic-mix", 0.04), m("adaptive", 0.4)
+    for ratio, lo, hi in (
+        (m("geodesic-norm-only-inv", 0.05) / inv, 0.9997, 1.0),
+        (m("geodesic-norm-only-mix", 0.04) / mix, 0.9999, 1.0001),
+        (m("geodesic-inv-attn", 0.05) / inv, 0.988, 0.994),
+        (m("geodesic-mix-attn", 0.04) / mix, 0.988, 0.993),
+        (m("adaptive-attn", 0.4) / ad, 0.16, 0.26),
+    ):
+        assert lo < ratio.min() and ratio.max() < hi
+    curv = m("geodesic-curvature-only-inv", 0.05), m("geodesic-curvature-only-mix", 0.04)
+    assert [float(np.median(c)) for c in curv] == pytest.approx([0.0047, 0.0037], abs=5e-5)
+    assert tau_b(*curv) > 0.98
+    assert all(tau_b(c, gap) == pytest.approx(-0.21, abs=0.005) for c in curv)
+    assert tau_b(m("adaptive-linf", 0.000625), ad) == pytest.approx(0.74, abs=0.005)
+    assert stored["secondary"]["adaptive-linf"]["main_minus_this"]["ci"][0] < 0
+    worst = [
+        (k, rho) for k in rows[0]["measures"] if "/" not in k for rho in rows[0]["measures"][k]
+    ]
+    assert len(worst) == 20
+    medians = [float(np.median(m(k, rho))) for k, rho in worst]
+    taus = [tau_b(m(k, rho), gap) for k, rho in worst]
+    assert min(taus) == pytest.approx(-0.21, abs=0.005) and max(taus) == pytest.approx(
+        0.45, abs=0.005
+    )
+    assert tau_b(medians, taus) == pytest.approx(0.90, abs=0.005)
+    negative = {
+        k: int((m(k, rho) < 0).sum())
+        for k in rows[0]["measures"]
+        if "/" in k
+        for rho in rows[0]["measures"][k]
+    }
+    assert negative == {
+        "adaptive/average": 9,
+        "geodesic-inv/average": 0,
+        "geodesic-mix/average": 20,
+    }
