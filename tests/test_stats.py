@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from geosharp.studies.stats import bootstrap_ci, kendall_tau, kendall_tau_with_ci
+from geosharp.studies.stats import bootstrap_ci, kendall_tau, kendall_tau_with_ci, reach_tau
 
 
 def brute_force_tau_a(a, b):
@@ -175,3 +175,28 @@ def test_star_design_gives_exact_one_axis_groups_and_a_granulated_tau_with_ci():
     assert grouped_granulated_tau(gap, gap, by_axis)["per_axis"]["lr"]["groups"] == 4
     with pytest.raises(ValueError, match="no value"):
         star_design([{"lr": 1}], {"wd": [0.1]})
+
+
+def test_reach_tau_ranks_the_columns_taus_by_their_median():
+    """Columns whose tau with the target rises with their median give +1 whatever their
+    order; shuffling which median goes with which tau breaks it; the interval resamples
+    models, so it holds the estimate and is reproducible."""
+    rng = np.random.default_rng(0)
+    gap = rng.normal(size=30)
+    noise = rng.normal(size=(5, 30))
+    weights = np.linspace(0.0, 3.0, 5)  # more of the gap in the larger columns
+    columns = np.exp(weights[:, None] * gap + noise) * (10.0 ** np.arange(5))[:, None]
+    taus = [kendall_tau(c, gap, "b") for c in columns]
+    expected = kendall_tau(np.median(columns, axis=1), taus, "b")
+    ci = reach_tau(columns, gap, n_boot=200, seed=1)
+    assert ci.estimate == pytest.approx(expected) and expected == pytest.approx(1.0)
+    assert ci.low <= ci.estimate <= ci.high and ci == reach_tau(columns, gap, n_boot=200, seed=1)
+    assert reach_tau(columns[::-1], gap, n_boot=10).estimate == pytest.approx(1.0)
+    scrambled = (
+        columns / (10.0 ** np.arange(5))[:, None] * (10.0 ** np.array([4, 0, 3, 1, 2]))[:, None]
+    )
+    assert reach_tau(scrambled, gap, n_boot=10).estimate < 0.5
+    with pytest.raises(ValueError, match="columns >= 2"):
+        reach_tau(columns[:1], gap)
+    with pytest.raises(ValueError, match="one target per model"):
+        reach_tau(columns, gap[:-1])

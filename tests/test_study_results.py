@@ -40,6 +40,8 @@ def test_endpoints_recomputed_from_models_csv(folder):
         assert fresh["differences"][name]["ci"] == pytest.approx(entry["ci"], abs=1e-12)
     for name, entry in stored["baselines"].items():
         assert fresh["baselines"][name]["tau"] == pytest.approx(entry["tau"], abs=1e-12)
+    assert fresh["reach"]["tau"] == pytest.approx(stored["reach"]["tau"], abs=1e-12)
+    assert fresh["reach"]["ci"] == pytest.approx(stored["reach"]["ci"], abs=1e-12)
     assert set(fresh.get("secondary", {})) == set(stored.get("secondary", {}))
     for name, entry in stored.get("secondary", {}).items():
         again = fresh["secondary"][name]
@@ -192,6 +194,8 @@ def test_seed_population_secondary_pass_claims():
         0.45, abs=0.005
     )
     assert tau_b(medians, taus) == pytest.approx(0.90, abs=0.005)
+    assert stored["reach"]["tau"] == pytest.approx(tau_b(medians, taus))
+    assert stored["reach"]["ci"] == pytest.approx([0.67, 0.95], abs=0.005)
     negative = {
         k: int((m(k, rho) < 0).sum())
         for k in rows[0]["measures"]
@@ -203,3 +207,22 @@ def test_seed_population_secondary_pass_claims():
         "geodesic-inv/average": 0,
         "geodesic-mix/average": 20,
     }
+
+
+@pytest.mark.parametrize(
+    "folder, n_columns, lowest, highest, reach, ci",
+    [
+        ("seeds", 20, -0.21, 0.45, 0.90, [0.67, 0.95]),
+        ("vision-finetune", 23, -0.48, -0.12, 0.82, [0.48, 0.85]),
+    ],
+)
+def test_tau_follows_the_reach_of_the_ball(folder, n_columns, lowest, highest, reach, ci):
+    """README and docs/zoo.md: over every worst-case column of a population, tau with the
+    gap rises with the column's median loss increase."""
+    stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
+    points = stored["reach"]["points"]
+    assert len(points) == n_columns
+    taus = [p["tau"] for p in points]
+    assert [min(taus), max(taus)] == pytest.approx([lowest, highest], abs=0.005)
+    assert stored["reach"]["tau"] == pytest.approx(reach, abs=0.005)
+    assert stored["reach"]["ci"] == pytest.approx(ci, abs=0.005)

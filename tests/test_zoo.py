@@ -336,6 +336,13 @@ def test_endpoint_population_end_to_end(tmp_path):
     assert json.loads(json.dumps(again)) == study
     text = (rdir / "report.md").read_text()
     assert "Pre-registered endpoints: text/test" in text and (rdir / "tau_curves.png").exists()
+    reach = study["reach"]  # every worst-case column: no average case, no trace
+    grid = [(m, rho) for m in zoo.MAIN_MEASURES for rho in preset.rho_grid(m)]
+    secondary = [("geodesic-norm-only-inv", preset.primary_rho("geodesic-inv"))]
+    secondary.append(("adaptive-attn", preset.primary_rho("adaptive")))
+    assert [(p["measure"], p["rho"]) for p in reach["points"]] == grid + secondary
+    assert [p["main"] for p in reach["points"]] == [True] * len(grid) + [False, False]
+    assert reach["ci"][0] <= reach["tau"] <= reach["ci"][1] and "reach of the ball" in text
 
 
 def test_baselines_of_an_untrained_model():
@@ -453,6 +460,33 @@ def test_secondary_keys_are_reported_once_every_model_has_them():
         if x.startswith("| hessian-trace-inv ")
     )
     assert line.split("|")[3].strip() == "-" and line.split("|")[6].strip() == "-"
+
+
+def test_reach_study_leaves_out_columns_some_models_lack():
+    from geosharp.studies.stats import kendall_tau
+    from geosharp.studies.zoo.report import reach_study
+
+    preset = dataclasses.replace(
+        _endpoint_preset(), measures=("adaptive",), rho_factors=(0.5, 1.0, 2.0, 4.0)
+    )
+    grid = preset.rho_grid("adaptive")
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(8):
+        gap = float(rng.uniform())
+        measures = {"adaptive": {rho: (1 + gap) * rho * (1 + 0.1 * rng.uniform()) for rho in grid}}
+        if i:  # the first model's secondary pass is not done
+            measures["adaptive-attn"] = {preset.primary_rho("adaptive"): gap}
+        rows.append(dict(error_gap=gap, measures=measures))
+    out = reach_study(preset, rows)
+    assert [p["measure"] for p in out["points"]] == ["adaptive"] * len(grid)
+    assert out["tau"] == kendall_tau(
+        [p["median"] for p in out["points"]], [p["tau"] for p in out["points"]], "b"
+    )
+    rows[0]["measures"]["adaptive-attn"] = {preset.primary_rho("adaptive"): 0.0}
+    assert [p["measure"] for p in reach_study(preset, rows)["points"]][-1] == "adaptive-attn"
+    one_radius = [dict(r, measures={"adaptive": {grid[0]: r["error_gap"]}}) for r in rows]
+    assert reach_study(preset, one_radius) == {}  # fewer than 3 columns
 
 
 def test_star_design_population_reports_the_granulated_tau(tmp_path):

@@ -219,8 +219,10 @@ def tau_curves(rows: Sequence[dict], measures: Sequence[str], n_boot: int = 500)
     return curves
 
 
-def plot_tau_curves(curves: dict, path) -> None:
-    """Kendall's tau against the median loss increase, one line with a band per measure."""
+def plot_tau_curves(curves: dict, path, marks: Sequence[dict] = ()) -> None:
+    """Kendall's tau against the median loss increase, one line with a band per measure;
+    ``marks`` (each with ``median`` and ``tau``) are drawn as crosses (the secondary
+    measures of a population report, listed in its ``endpoints.json``)."""
     from .figures import require_matplotlib, save_png
 
     require_matplotlib()
@@ -232,6 +234,15 @@ def plot_tau_curves(curves: dict, path) -> None:
         ax.plot(x, [p["tau"] for p in points], "o-", color=f"C{i}", label=m, markersize=3)
         ax.fill_between(
             x, [p["ci"][0] for p in points], [p["ci"][1] for p in points], color=f"C{i}", alpha=0.15
+        )
+    if marks:
+        ax.plot(
+            [p["median"] for p in marks],
+            [p["tau"] for p in marks],
+            "x",
+            color="0.25",
+            markersize=4,
+            label="secondary measures",
         )
     ax.axhline(0.0, color="0.5", linewidth=0.7)
     ax.set_xscale("log")
@@ -321,6 +332,19 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
                 f"| {name} | {e['main']} | {rho} | {_ci(e['tau'], e['ci'])} "
                 f"| {_ci(d['tau_diff'], d['ci'])} | {ratio} |"
             )
+    if study.get("reach"):
+        reach = study["reach"]
+        lines += [
+            "",
+            "## Tau against the reach of the ball (exploratory)",
+            "",
+            f"Over the {len(reach['points'])} worst-case columns (each main measure at each "
+            "grid radius, each secondary measure at its radius), Kendall's tau between a "
+            "column's median loss increase and its tau with the gap is "
+            f"{_ci(reach['tau'], reach['ci'])} (bootstrap over models). Near +1: tau with "
+            "the gap rises with how far the ball raises the loss, whichever measure and "
+            "radius give the column.",
+        ]
     if study.get("granulated"):
         gran = study["granulated"]
         axes = sorted({a for e in gran["by_measure"].values() for a in e["per_axis"]})

@@ -35,6 +35,7 @@ __all__ = [
     "kendall_tau",
     "kendall_tau_with_ci",
     "partial_tau",
+    "reach_tau",
     "seed_noise_threshold",
     "split_half",
     "tau_difference",
@@ -359,6 +360,39 @@ def granulated_tau_ci(
     low, high = np.quantile(reps, [alpha, 1.0 - alpha])
     std = float(reps.std(ddof=1)) if reps.size > 1 else 0.0
     return BootstrapCI(estimate, float(low), float(high), std, level, int(reps.size))
+
+
+def reach_tau(
+    values: np.ndarray,
+    target: Sequence[float],
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> BootstrapCI:
+    """Does a measure's tau with the target follow how far its ball reaches?
+
+    ``values`` is ``(columns, models)``: one column per measure and radius, each a loss
+    increase. The statistic is Kendall's tau-b, over the columns, between the median
+    loss increase of a column and its tau-b with ``target``; the interval resamples the
+    models (every column's median and tau on the same resample). Near +1: tau with the
+    target rises with the reach, whichever measure and radius gives it.
+
+    >>> gap = np.arange(10.0)
+    >>> columns = np.stack([0.01 * gap[::-1], 1 + gap % 2, 10 + gap])  # tau -1, 0.15, +1
+    >>> reach_tau(columns, gap, n_boot=50).estimate
+    1.0
+    """
+    v = np.atleast_2d(np.asarray(values, dtype=np.float64))
+    target = np.asarray(target, dtype=np.float64)
+    if v.shape[1] != target.size or v.shape[0] < 2:
+        raise ValueError("values must be (columns >= 2, models) with one target per model")
+
+    def statistic(vt: np.ndarray, g: np.ndarray) -> float:
+        taus = np.array([kendall_tau(col, g, "b") for col in vt.T])
+        ok = np.isfinite(taus)  # a column constant on a resample has no tau
+        return kendall_tau(np.median(vt, axis=0)[ok], taus[ok], "b")
+
+    return bootstrap_ci(statistic, v.T, target, n_boot=n_boot, level=level, seed=seed)
 
 
 def above_seed_noise(

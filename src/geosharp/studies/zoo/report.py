@@ -22,7 +22,14 @@ from ..endpoints import (
     tau_curves,
 )
 from ..figures import require_matplotlib
-from ..stats import granulated_tau, kendall_tau_with_ci, split_half, tau_difference
+from ..stats import (
+    granulated_tau,
+    kendall_tau,
+    kendall_tau_with_ci,
+    reach_tau,
+    split_half,
+    tau_difference,
+)
 from .presets import MAIN_MEASURES, ZooPreset, sample_hyperparameters
 from .store import missing, zoo_dir
 from .tasks import task_for
@@ -351,7 +358,8 @@ def report_zoo(
         if len(included) >= 3:
             study = endpoint_study(preset, rows, population or preset.zoo, seed_sd)
             write_json_atomic(rdir / "endpoints.json", study)
-            plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png")
+            extra = [p for p in study["reach"].get("points", ()) if not p["main"]]
+            plot_tau_curves(study["tau_curves"], rdir / "tau_curves.png", extra)
             text = format_endpoints(study, "tau_curves.png") + "\n" + text
             summary["endpoints"] = study
         else:
@@ -484,6 +492,7 @@ def endpoint_study(
     study["spread"] = spread
     study["tau_curves"] = tau_curves(kept, preset.measures, n_boot=500)
     study["secondary"] = secondary_study(preset, kept)
+    study["reach"] = reach_study(preset, kept)
     if preset.design == "star":
         study["granulated"] = granulated_study(preset, kept, study, seed_sd)
     return study
@@ -560,6 +569,36 @@ def granulated_study(
             },
         )
     return result
+
+
+def reach_study(preset: ZooPreset, rows: list[dict]) -> dict:
+    """Every worst-case column the rows carry (each main measure at each grid radius,
+    each secondary sharpness measure at its radius; no average case, no trace) with its
+    median loss increase and tau with the gap, and :func:`~geosharp.studies.stats.
+    reach_tau` over them: how closely tau follows the ball's reach. Exploratory, not a
+    pre-registered endpoint."""
+    columns = [(m, rho) for m in preset.measures for rho in sorted(rows[0]["measures"][m])]
+    columns += [
+        (k, preset.secondary_rho(k))
+        for k in preset.secondary
+        if all(k in r["measures"] for r in rows)
+    ]
+    if len(columns) < 3:
+        return {}
+    values = np.array([[r["measures"][m][rho] for r in rows] for m, rho in columns])
+    gap = np.array([r["error_gap"] for r in rows], dtype=np.float64)
+    ci = reach_tau(values, gap, n_boot=2000, seed=preset.seed)
+    points = [
+        dict(
+            measure=m,
+            rho=rho,
+            main=m in preset.measures,
+            median=float(np.median(v)),
+            tau=kendall_tau(v, gap, "b"),
+        )
+        for (m, rho), v in zip(columns, values, strict=True)
+    ]
+    return dict(points=points, tau=ci.estimate, ci=[ci.low, ci.high])
 
 
 def secondary_study(preset: ZooPreset, rows: list[dict]) -> dict:
