@@ -350,7 +350,8 @@ def format_endpoints(study: dict, curves_png: str | None = None) -> str:
         axes = sorted({a for e in gran["by_measure"].values() for a in e["per_axis"]})
         lines += [
             "",
-            f"## Granulated tau on the star design ({gran['n_bases']} base configurations)",
+            f"## Granulated tau on the star design ({gran['n_bases']} base "
+            f"configuration{'' if gran['n_bases'] == 1 else 's'})",
             "",
             "Jiang et al.'s definition on exact one-axis groups (a base and its variant); "
             "95% interval from a bootstrap over base configurations.",
