@@ -343,6 +343,17 @@ def test_endpoint_population_end_to_end(tmp_path):
     assert [(p["measure"], p["rho"]) for p in reach["points"]] == grid + secondary
     assert [p["main"] for p in reach["points"]] == [True] * len(grid) + [False, False]
     assert reach["ci"][0] <= reach["tau"] <= reach["ci"][1] and "reach of the ball" in text
+    assert "inclusion rule leaves out" not in text
+    # the exploratory summary covers every measured model and says so when the
+    # inclusion rule keeps some of them out of the endpoints
+    errors = sorted(r["train_error"] for r in rows_from_table((rdir / "models.csv").read_text()))
+    strict = dataclasses.replace(preset, max_train_error=(errors[0] + errors[-1]) / 2)
+    assert errors[0] < errors[-1]
+    summary = zoo.report_zoo(strict, tmp_path, population="text/test")
+    outside = summary["excluded_from_endpoints"]
+    assert 0 < len(outside) < 4 and summary["n_models"] == 4
+    text = (rdir / "report.md").read_text()
+    assert f"4 models (every measured model: the {len(outside)} the inclusion rule" in text
 
 
 def test_baselines_of_an_untrained_model():

@@ -185,10 +185,17 @@ def _fmt(t: dict) -> str:
 def format_report(summary: dict, figures: Sequence[str] = ()) -> str:
     zoo = summary["zoo"]
     setting = task_for(zoo).setting
+    outside = summary.get("excluded_from_endpoints", ())
+    scope = (
+        f" (every measured model: the {len(outside)} the inclusion rule leaves out of the "
+        "endpoints are in)"
+        if outside
+        else ""
+    )
     lines = [
         f"# Sharpness vs generalization: {zoo} zoo",
         "",
-        f"{summary['n_models']} models; hyperparameter axes varied: "
+        f"{summary['n_models']} models{scope}; hyperparameter axes varied: "
         f"{', '.join(summary['axes']) or 'none (the models differ in their seed only)'}.",
         "Kendall tau (tau-b) between each measure and the generalization gap, with 95% "
         "percentile bootstrap intervals over models.",
@@ -351,10 +358,12 @@ def report_zoo(
         for sel in ("best", "calibrated")
     ]
     table = models_table(preset, metas, records)
-    text = format_report(summary, [str(f) for f in figures])
     if preset.target is not None:
         rows = rows_from_table(table)
-        included, _ = split_included(rows, population_protocol(preset), preset.measures)
+        included, excluded = split_included(rows, population_protocol(preset), preset.measures)
+        summary["excluded_from_endpoints"] = [e["id"] for e in excluded]
+    text = format_report(summary, [str(f) for f in figures])
+    if preset.target is not None:
         if len(included) >= 3:
             study = endpoint_study(preset, rows, population or preset.zoo, seed_sd)
             write_json_atomic(rdir / "endpoints.json", study)
