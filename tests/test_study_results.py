@@ -21,15 +21,21 @@ def tau_b(a, b) -> float:
     return kendall_tau(a, b, variant="b")
 
 
-POPULATIONS = {"vision-finetune": ("vision-finetune", "full"), "seeds": ("text", "seeds")}
+POPULATIONS = {
+    "vision-finetune": ("vision-finetune", "full"),
+    "seeds": ("text", "seeds"),
+    "hparams": ("text", "hparams"),
+}
 
 
 @pytest.mark.parametrize("folder", sorted(POPULATIONS))
 def test_endpoints_recomputed_from_models_csv(folder):
     stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
     rows = rows_from_table((RESULTS / folder / "models.csv").read_text())
-    fresh = endpoint_study(get_preset(*POPULATIONS[folder]), rows, stored["population"])
-    assert fresh["n_models"] == stored["n_models"] == len(rows)
+    seed_sd = stored.get("granulated", {}).get("seed_noise", {}).get("seed_sd")
+    fresh = endpoint_study(get_preset(*POPULATIONS[folder]), rows, stored["population"], seed_sd)
+    assert fresh["n_models"] == stored["n_models"] == len(rows) - stored["n_excluded"]
+    assert [e["id"] for e in fresh["excluded"]] == [e["id"] for e in stored["excluded"]]
     for name, entry in stored["measures"].items():
         assert fresh["measures"][name]["rho"] == entry["rho"]
         assert fresh["measures"][name]["tau"] == pytest.approx(entry["tau"], abs=1e-12)
@@ -48,6 +54,17 @@ def test_endpoints_recomputed_from_models_csv(folder):
         assert again["rho"] == entry["rho"] and again["tau"] == pytest.approx(entry["tau"])
         diff = again["main_minus_this"]
         assert diff["ci"] == pytest.approx(entry["main_minus_this"]["ci"], abs=1e-12)
+    assert set(fresh.get("granulated", {})) == set(stored.get("granulated", {}))
+    if "granulated" in stored:
+        again, entry = fresh["granulated"], stored["granulated"]
+        assert again["n_bases"] == entry["n_bases"]
+        for name, g in entry["by_measure"].items():
+            assert again["by_measure"][name]["granulated"] == pytest.approx(g["granulated"])
+            assert again["by_measure"][name]["ci"] == pytest.approx(g["ci"], abs=1e-12)
+        noise, stored_noise = again["seed_noise"], entry["seed_noise"]
+        assert noise["per_axis"] == stored_noise["per_axis"]
+        assert noise["threshold"] == pytest.approx(stored_noise["threshold"])
+        assert noise["granulated"] == pytest.approx(stored_noise["granulated"], nan_ok=True)
 
 
 def test_vision_finetune_geodesic_correction_claims():
@@ -127,6 +144,9 @@ def test_report_of_a_seed_population_names_no_axes():
     assert "nan" not in text and "differ in their seed only" in text
 
 
+KEPT = {"vision-finetune": 40, "seeds": 40, "hparams": 22}
+
+
 @pytest.mark.parametrize("folder", sorted(POPULATIONS))
 def test_no_paired_difference_excludes_zero(folder):
     """README: in every measured population each paired interval of
@@ -140,7 +160,7 @@ def test_no_paired_difference_excludes_zero(folder):
     assert len(intervals) == 10 and all(lo <= 0 <= hi for lo, hi in intervals)
     strongest = max(abs(e["tau"]) for e in stored["measures"].values())
     baseline = min(abs(stored["baselines"][k]["tau"]) for k in ("train_loss", "train_error"))
-    assert stored["n_models"] == 40 and strongest < baseline
+    assert stored["n_models"] == KEPT[folder] and strongest < baseline
 
 
 def test_seed_population_batch_losses_rank_the_models_alike():
@@ -214,6 +234,7 @@ def test_seed_population_secondary_pass_claims():
     [
         ("seeds", 20, -0.21, 0.45, 0.90, [0.67, 0.95]),
         ("vision-finetune", 23, -0.48, -0.12, 0.82, [0.48, 0.85]),
+        ("hparams", 12, -0.59, -0.35, 0.86, [-0.22, 0.95]),
     ],
 )
 def test_tau_follows_the_reach_of_the_ball(folder, n_columns, lowest, highest, reach, ci):
@@ -226,3 +247,73 @@ def test_tau_follows_the_reach_of_the_ball(folder, n_columns, lowest, highest, r
     assert [min(taus), max(taus)] == pytest.approx([lowest, highest], abs=0.005)
     assert stored["reach"]["tau"] == pytest.approx(reach, abs=0.005)
     assert stored["reach"]["ci"] == pytest.approx(ci, abs=0.005)
+
+
+def test_hparams_population_claims():
+    """README and docs/zoo.md on the star design: the inclusion rule removes the slow
+    recipes (every model of the two bases at lr 2e-5 for 3 epochs, 17 of the 20 at
+    lr 2e-5), so the kept models mostly share one learning rate; the gap among them
+    follows the training error; the granulated tau rests on 2-4 one-axis pairs per
+    axis, few of them above seed noise."""
+    stored = json.loads((RESULTS / "hparams" / "endpoints.json").read_text())
+    rows = {r["id"]: r for r in rows_from_table((RESULTS / "hparams" / "models.csv").read_text())}
+    excluded = {e["id"] for e in stored["excluded"]}
+    assert len(rows) == 42 and len(excluded) == 20
+    assert all(rows[k]["train_error"] > 0.05 for k in excluded)
+    slow_bases = {k for k, r in rows.items() if int(r["base"]) in (3, 5)}
+    assert all(
+        rows[k]["lr"] == 2e-5 and rows[k]["epochs"] == 3
+        for k in slow_bases
+        if not rows[k]["varied"]
+    )
+    assert slow_bases <= excluded
+    slow_errors = [rows[k]["train_error"] for k in slow_bases]
+    assert len(slow_bases) == 14 and 0.1 <= min(slow_errors) and max(slow_errors) < 0.345
+    assert sum(rows[k]["lr"] == 2e-5 for k in excluded) == 17
+    others = excluded - {k for k in excluded if rows[k]["lr"] == 2e-5}
+    assert all(rows[k]["epochs"] == 3 and rows[k]["batch_size"] >= 32 for k in others)
+    kept = [r for k, r in rows.items() if k not in excluded]
+    assert sorted(r["lr"] for r in kept).count(1e-4) == 18
+    assert [sum(r["lr"] == lr for r in kept) for lr in (5e-5, 2e-5)] == [1, 3]
+    assert {int(r["base"]) for r in kept if not r["varied"]} == {0, 1, 2, 4}
+    gap = np.array([r["error_gap"] for r in kept])
+    assert tau_b([r["train_error"] for r in kept], gap) == pytest.approx(-0.68, abs=0.005)
+    spread = stored["spread"]
+    assert spread["train_error"]["sd"] > 2 * spread["test_error"]["sd"]
+    assert spread["error_gap"]["sd"] / stored["granulated"]["seed_noise"]["seed_sd"] > 2.3
+    gran = stored["granulated"]
+    assert gran["n_bases"] == 4
+    counts = gran["seed_noise"]["per_axis"]
+    assert sorted(c["pairs"] for c in counts.values()) == [2, 2, 3, 3, 4, 4]
+    assert sum(c["above"] for c in counts.values()) == 5
+    g = {k: v["granulated"] for k, v in gran["by_measure"].items()}
+    assert [g[k] for k in ("adaptive", "geodesic-inv", "geodesic-mix")] == pytest.approx(
+        [0.11, -0.19, 0.0], abs=0.005
+    )
+    assert all(
+        v["ci"][0] < 0 < v["ci"][1]
+        for k, v in gran["by_measure"].items()
+        if k.startswith(("adaptive", "geodesic"))
+    )
+    assert [g[k] for k in ("train_loss", "train_error", "grad_norm")] == pytest.approx(
+        [-0.31, -0.5, -0.33], abs=0.005
+    )
+    measures = stored["measures"]
+    assert all(e["tau"] < 0 and e["median_ratio_from_half"] > 3.4 for e in measures.values())
+    assert [stored["split_half"][k]["tau"] for k in measures] == pytest.approx(
+        [0.65, 0.73, 0.71], abs=0.005
+    )
+    every = list(rows.values())
+    gap = np.array([r["error_gap"] for r in every])
+    assert [gap.min(), gap.max()] == pytest.approx([0.043, 0.241], abs=5e-4)
+    assert tau_b([r["train_error"] for r in every], gap) == pytest.approx(-0.89, abs=0.005)
+    smallest = [
+        tau_b([r["measures"][k][min(every[0]["measures"][k])] for r in every], gap)
+        for k in measures
+    ]
+    assert min(smallest) == pytest.approx(-0.33, abs=0.005)
+    assert max(smallest) == pytest.approx(-0.31, abs=0.005)
+    summary = json.loads((RESULTS / "hparams" / "summary.json").read_text())
+    assert summary["excluded_from_endpoints"] == sorted(excluded)
+    calibrated = [summary["calibrated"][k]["tau_error"]["tau"] for k in measures]
+    assert [min(calibrated), max(calibrated)] == pytest.approx([-0.06, 0.17], abs=0.005)
