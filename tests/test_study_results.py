@@ -317,3 +317,11 @@ def test_hparams_population_claims():
     assert summary["excluded_from_endpoints"] == sorted(excluded)
     calibrated = [summary["calibrated"][k]["tau_error"]["tau"] for k in measures]
     assert [min(calibrated), max(calibrated)] == pytest.approx([-0.06, 0.17], abs=0.005)
+    points = stored["reach"]["points"]
+    for pick, low, high in ((min, -0.59, -0.58), (max, -0.45, -0.35)):
+        ends = [
+            p["tau"]
+            for p in points
+            if p["rho"] == pick(q["rho"] for q in points if q["measure"] == p["measure"])
+        ]
+        assert [min(ends), max(ends)] == pytest.approx([low, high], abs=0.005)
