@@ -18,22 +18,39 @@ __all__ = ["SymmetryCheck", "check_symmetries"]
 
 @dataclass
 class SymmetryCheck:
-    """Largest change of the model's outputs under a random symmetry transform."""
+    """Largest change of the model's outputs under a random symmetry transform.
+
+    ``n_pairs``: the pairs transformed; with none there is nothing to check, and the
+    check is not :attr:`ok` (an unchanged output would prove nothing)."""
 
     max_abs_change: float
     max_rel_change: float
     tolerance: float
     per_pair: dict[str, float]
+    n_pairs: int = 1
 
     @property
     def ok(self) -> bool:
-        return self.max_rel_change <= self.tolerance
+        return self.n_pairs > 0 and self.max_rel_change <= self.tolerance
+
+    @property
+    def status(self) -> str:
+        """``"ok"``, ``"failed"`` or ``"nothing to check"``."""
+        if self.n_pairs == 0:
+            return "nothing to check"
+        return "ok" if self.ok else "failed"
 
     def __str__(self) -> str:
+        if self.n_pairs == 0:
+            return (
+                "symmetry self-check: nothing to check, the model has no symmetric pairs "
+                "(see find_symmetries(model).summary())"
+            )
         verdict = "OK" if self.ok else "FAILED"
         lines = [
-            f"symmetry self-check {verdict}: largest output change {self.max_abs_change:.3g} "
-            f"(relative {self.max_rel_change:.3g}, tolerance {self.tolerance:.3g})"
+            f"symmetry self-check {verdict}: {self.n_pairs} pair blocks transformed, largest "
+            f"output change {self.max_abs_change:.3g} (relative {self.max_rel_change:.3g}, "
+            f"tolerance {self.tolerance:.3g})"
         ]
         for name, change in self.per_pair.items():
             if change > self.tolerance:
@@ -51,13 +68,17 @@ def check_symmetries(
     tolerance: float | None = None,
 ) -> SymmetryCheck:
     """Transform every discovered pair by a random well-conditioned ``A`` and report the
-    largest change of the model's output on ``batch`` (it must be at round-off).
+    largest change of the model's output on ``batch`` (it must be at round-off); a
+    model without pairs gives "nothing to check", never OK.
 
     ``batch`` is passed as ``model(**batch)`` for a mapping, ``model(*batch)`` for a
     tuple and ``model(batch)`` otherwise. If the check fails, each pair is also tried
     alone so that the culprit is named. The model is not modified.
     """
-    symmetries = symmetries or find_symmetries(model, warn=False)
+    if symmetries is None:
+        symmetries = find_symmetries(model, batch, warn=False)
+    if not symmetries.pairs:
+        return SymmetryCheck(0.0, 0.0, tolerance or 0.0, {}, n_pairs=0)
     params = {n: p.detach() for n, p in model.named_parameters()}
     dtype = next(iter(params.values())).dtype
     if tolerance is None:
@@ -76,7 +97,9 @@ def check_symmetries(
         per_pair = {}
         if abs_change / scale > tolerance:
             per_pair = {p.name: change([p]) / scale for p in symmetries.pairs}
-    return SymmetryCheck(abs_change, abs_change / scale, tolerance, per_pair)
+    return SymmetryCheck(
+        abs_change, abs_change / scale, tolerance, per_pair, n_pairs=len(symmetries.pairs)
+    )
 
 
 def _outputs(model: nn.Module, batch: object, params: Mapping[str, Tensor]) -> list[Tensor]:

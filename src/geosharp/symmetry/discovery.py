@@ -1,33 +1,77 @@
-"""``find_symmetries``: walk a model and collect the GL(h) pairs of its attention."""
+"""``find_symmetries``: the GL(h) pairs of a model, from what it computes, verified.
+
+Three sources, in order:
+
+1. **Handlers** (:mod:`.registry`): modules whose layout is declared by class or
+   structure (``torch.nn.MultiheadAttention``, whose fused kernel hides its
+   computation; timm-style attention; peft's LoRA adapters; anything registered with
+   :func:`~geosharp.symmetry.register_handler`). They need no forward pass.
+2. **The trace** (:mod:`.trace`, :mod:`.assemble`): one forward pass on the user's
+   batch (or, for a Hugging Face model, on random inputs that fit its config) shows
+   which projections meet in attention scores and which weights read the mixed values,
+   whatever the modules and attributes are called, fused or not, with rotary
+   embeddings, grouped-query heads, cross-attention, shared layers or position terms.
+   A ``meta``-device model is traced on fake tensors: no weights are needed.
+3. **Verification** (:mod:`.verify`): every pair, from either source, is transformed by
+   a random element of its group on the module that holds it, with the inputs that
+   module received; a pair that changes the output is dropped, with a warning naming
+   the module.
+
+Attention modules whose symmetry is not used get a reason (:class:`Dropped`): either
+the symmetry does not exist (``exact``: normalised queries, clipped values) or
+geosharp could not establish it (listed in ``Symmetries.unrecognized``: their
+parameters are measured element-wise, so a geodesic measure there is not
+symmetry-correct, and the measures say so).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from collections.abc import Callable, Mapping
 
+import torch
 from torch import Tensor, nn
 
-from . import handlers, hf_handlers, peft_handlers  # noqa: F401  (register the built-ins)
-from .pairs import PairSpec, Symmetries
-from .registry import handler_for, nested_pairs
+from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
+from .assemble import Assembly, assemble
+from .inputs import example_inputs
+from .pairs import Block, Dropped, PairSpec, Symmetries
+from .registry import handler_for
+from .trace import Tracer
+from .verify import capture_inputs, unit_of, verify_pairs
 
 __all__ = ["find_symmetries"]
 
 _ATTENTION_LIKE = re.compile(r"attention|attn|selfatt|mha", re.IGNORECASE)
 
 
-def find_symmetries(model: nn.Module, warn: bool = True) -> Symmetries:
-    """Find the parameter symmetries of ``model``.
+def find_symmetries(
+    model: nn.Module,
+    inputs: object = None,
+    *,
+    loss_fn: Callable[[nn.Module, object], Tensor] | None = None,
+    verify: bool = True,
+    warn: bool = True,
+    cond: float = 10.0,
+    seed: int = 0,
+) -> Symmetries:
+    """Find the parameter symmetries of ``model`` (see the module docstring).
 
-    Every module with a registered handler contributes its pairs (MATH.md section 1):
-    per attention head a query/key and a value/output pair with biases absorbed, of
-    group ``GL(d_head)``, or the rotary subgroup for query/key under RoPE; with
-    grouped-query attention, the blocks of heads that share a key/value head are
-    stacked into one pair; LoRA adapters give ``GL(r)`` pairs ``(B, A^T)``. All other
-    parameters stay in the element-wise (adaptive) geometry.
-    Modules whose class name looks like attention but that no handler knows are
-    listed in ``Symmetries.unrecognized`` and, if ``warn``, in a warning: their
-    symmetry is ignored, never guessed.
+    ``inputs``: one batch, passed as ``model(**inputs)`` (a mapping), ``model(*inputs)``
+    (a tuple) or ``model(inputs)``, or as ``loss_fn(model, inputs)`` when ``loss_fn`` is
+    given; default: random inputs from the config of a Hugging Face model (without
+    them, only handlers apply). ``verify``: check each pair numerically on this batch
+    (``cond``: condition number of the random transforms, ``seed``: their generator).
+    ``warn``: warn about modules whose symmetry is ignored and about pairs that fail.
+
+    Per attention head a query/key and a value/output pair with biases absorbed (MATH.md
+    section 1), of group ``GL(d_head)`` or, under rotary embeddings, the rotary
+    subgroup (and ``GL`` on the dimensions a partial rotary embedding leaves alone);
+    grouped-query heads stack the query (output) blocks that share a key (value) head;
+    LoRA adapters give ``GL(r)`` pairs ``(B, A^T)``. Everything else keeps the
+    element-wise (adaptive) geometry. The model is left unchanged.
 
     >>> import torch
     >>> layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16)
@@ -35,6 +79,8 @@ def find_symmetries(model: nn.Module, warn: bool = True) -> Symmetries:
     >>> [(p.kind, p.shape) for p in sym.pairs]  # (heads, n, m, h)
     [('query-key', (2, 9, 9, 4)), ('value-output', (2, 9, 8, 4))]
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     named = list(model.named_parameters())
     if not named:
         raise ValueError("the model has no parameters: there is nothing to measure")
@@ -48,43 +94,349 @@ def find_symmetries(model: nn.Module, warn: bool = True) -> Symmetries:
                 "a handler pointed at a tensor that is not a parameter of the model"
             ) from None
 
+    declared, handled = _handled_pairs(model, name_of)
+    meta = any(p.is_meta for _, p in named)
+    run = _forward(model, inputs, loss_fn, meta)
+    attention: list[str] = list(handled)
+    dropped: list[Dropped] = []
+    traced: list[PairSpec] = []
+    ran: set[str] = set()
+    opaque: list[tuple[str, str]] = []
+    discovery = "structure"
+    assembly = None
+    if run is not None:
+        assembly = _traced(model, run, meta, inputs is None, warn and inputs is not None)
+    if assembly is None and inputs is None:  # no batch: the Hugging Face models inside
+        assembly, run = _traced_parts(model, meta)
+    if assembly is not None:
+        discovery = "trace"
+        traced = assembly.pairs
+        ran, opaque = assembly.ran, assembly.opaque
+        attention += [a for a in assembly.attention if a not in attention]
+        trainable = {n for n, p in named if p.requires_grad}
+        dropped += [_adapted(d, handled, declared, trainable) for d in assembly.dropped]
+
+    candidates = declared + traced  # declared layouts first
+    checks = [None] * len(candidates)
+    if run is not None and verify and not meta and candidates:
+        checks = _verify(model, run, candidates, cond, seed)
+    pairs, failed, kept_declared = [], [], []
+    verified = {}
+    for i, (pair, check) in enumerate(zip(candidates, checks)):
+        if check is not None and not check.ok:
+            failed.append((pair, check))
+            continue
+        if i >= len(declared) and any(_overlap(pair, d) for d in kept_declared):
+            continue  # the trace's copy of a declared pair
+        pairs.append(pair)
+        if i < len(declared):
+            kept_declared.append(pair)
+        if check is not None:
+            verified[pair.name] = check
+    for pair, check in failed:
+        reason = (
+            f"a transform in its group changes the output of {check.unit or 'the model'} "
+            f"by {check.change:.1e} (relative, {check.dtype}): not a symmetry"
+        )
+        if any(_overlap(pair, p) for p in pairs):
+            if warn:
+                warnings.warn(
+                    f"{pair.name}: dropped, {reason}; the layout traced from the forward pass "
+                    "is used instead",
+                    stacklevel=2,
+                )
+            continue
+        dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
+        if warn:
+            warnings.warn(f"{pair.name}: dropped, {reason}", stacklevel=2)
+
+    covered = attention + [p.module for p in pairs]
+    unrecognized = [
+        u
+        for u in _attention_like(model)
+        if not any(_related(u, c) for c in covered) and u not in {d.module for d in dropped}
+    ]
+    if discovery == "trace":  # the trace saw everything that ran
+        dropped += [Dropped(u, "all", _unseen(u, ran, opaque), exact=False) for u in unrecognized]
+    ignored = {d.module for d in dropped if not d.exact}
+    unrecognized += [m for m in dict.fromkeys(d.module for d in dropped) if m in ignored]
+    symmetries = Symmetries(
+        pairs=pairs,
+        parameters={n: tuple(p.shape) for n, p in named},
+        unrecognized=list(dict.fromkeys(unrecognized)),
+        attention=attention,
+        dropped=dropped,
+        verified=verified,
+        discovery=discovery,
+    )
+    symmetries.validate()
+    if warn and symmetries.unrecognized:
+        warnings.warn(
+            "geosharp does not understand the symmetries of these attention-like modules; "
+            "their parameters are measured element-wise: "
+            + ", ".join(symmetries.unrecognized)
+            + ". See find_symmetries(model).summary(); declare their pairs with "
+            "geosharp.symmetry.declare_pair or register_handler if they have any.",
+            stacklevel=2,
+        )
+    return symmetries
+
+
+def _handled_pairs(model: nn.Module, name_of) -> tuple[list[PairSpec], list[str]]:
+    """Pairs of the modules a handler knows, and those modules."""
     pairs: list[PairSpec] = []
-    unrecognized: list[str] = []
-    done: list[str] = []  # handled or reported: their descendants are not visited
+    handled: list[str] = []
+    done: list[str] = []  # handled: their descendants are not visited
     for prefix, module in model.named_modules():
         if any(_inside(prefix, d) for d in done):
             continue
         handler = handler_for(module)
         if handler is not None:
-            pairs.extend(handler(module, prefix, name_of))
+            found = handler(module, prefix, name_of)
+            pairs.extend(found)
             done.append(prefix)
-        elif _ATTENTION_LIKE.search(type(module).__name__) and _owns_parameters(module):
-            unrecognized.append(prefix or f"<root {type(module).__name__}>")
-            done.append(prefix)
-            # Its own symmetry is unknown, but known modules inside it (LoRA adapters)
-            # still contribute their pairs.
-            pairs.extend(nested_pairs(module, prefix, name_of))
+            if found or _ATTENTION_LIKE.search(type(module).__name__):
+                handled.append(prefix)
+    return pairs, handled
 
-    symmetries = Symmetries(
-        pairs=pairs,
-        parameters={n: tuple(p.shape) for n, p in named},
-        unrecognized=unrecognized,
+
+def _forward(
+    model: nn.Module, inputs: object, loss_fn, meta: bool = False
+) -> Callable[[], object] | None:
+    """A function that runs one forward pass, or ``None`` when there is no input (on
+    the meta device one short sequence: shapes show the layout, values do not exist)."""
+    if inputs is None:
+        if loss_fn is not None:
+            raise ValueError("loss_fn needs inputs: find_symmetries(model, batch, loss_fn=...)")
+        inputs = example_inputs(model, batch=1, length=4) if meta else example_inputs(model)
+        if inputs is None:
+            return None
+    if loss_fn is not None:
+        return lambda: loss_fn(model, inputs)
+    return lambda: _call(model, inputs)
+
+
+def _call(model: nn.Module, inputs: object) -> object:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _traced(model: nn.Module, run, meta: bool, synthetic: bool, warn: bool):
+    """The pairs found by tracing ``run()``; ``None`` (with a warning) when the trace
+    fails although the forward pass itself works."""
+    try:
+        with _quiet(), torch.no_grad(), _eval(model):
+            if meta:
+                tracer = _trace_meta(model, run)
+            else:
+                tracer = Tracer(model)
+                with tracer.running():
+                    run()
+    except Exception as err:
+        if meta or synthetic:
+            reason = "the forward pass on " + ("the meta device" if meta else "random inputs")
+            if warn:
+                warnings.warn(
+                    f"symmetry discovery could not run {reason} ({type(err).__name__}: {err}); "
+                    "pass a batch: find_symmetries(model, batch)",
+                    stacklevel=3,
+                )
+            return None
+        with torch.no_grad(), _eval(model):
+            run()  # the model's own error, if it is one
+        if warn:
+            warnings.warn(
+                f"symmetry discovery could not follow the forward pass ({type(err).__name__}: "
+                f"{err}); only declared layouts are used",
+                stacklevel=3,
+            )
+        return None
+    return assemble(tracer.trace, [n for n, _ in model.named_modules()])
+
+
+def _traced_parts(model: nn.Module, meta: bool):
+    """Without a batch, when the model's own forward pass cannot run on random inputs
+    (a wrapper with an unusual signature): each Hugging Face model inside it, traced on
+    inputs that fit its config. Returns the assembly of all, and a function that runs
+    them all (for verification), or ``(None, None)``."""
+    parts = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name
+        and getattr(module, "config", None) is not None
+        and hasattr(module, "main_input_name")
+    ]
+    parts = [(n, m) for n, m in parts if not any(n.startswith(o + ".") for o, _ in parts)]
+    found, runs = [], []
+    for name, part in parts:
+        inputs = example_inputs(part)
+        if inputs is None:
+            continue
+        assembly = _traced(part, lambda p=part, x=inputs: _call(p, x), meta, True, warn=False)
+        if assembly is None:
+            continue
+        found.append(_prefixed(assembly, name))
+        runs.append(lambda p=part, x=inputs: _call(p, x))
+    if not found:
+        return None, None
+    merged = Assembly(
+        [p for a in found for p in a.pairs],
+        [m for a in found for m in a.attention],
+        [d for a in found for d in a.dropped],
+        {m for a in found for m in a.ran},
+        [o for a in found for o in a.opaque],
     )
-    symmetries.validate()
-    if warn and unrecognized:
-        warnings.warn(
-            "geosharp does not recognise these attention-like modules; their parameters "
-            "are measured element-wise and their symmetries ignored: "
-            + ", ".join(unrecognized)
-            + ". Declare their pairs with geosharp.register_handler if they have any.",
-            stacklevel=2,
+    return merged, lambda: [run() for run in runs]
+
+
+def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
+    """An assembly of a sub-model, named from the whole model."""
+
+    def name(n: str) -> str:
+        return f"{prefix}.{n}" if n else prefix
+
+    def block(b: Block) -> Block:
+        return b.renamed(name(b.param))
+
+    pairs = [
+        PairSpec(
+            name(p.module),
+            p.kind,
+            tuple(map(block, p.g_blocks)),
+            tuple(map(block, p.h_blocks)),
+            p.group,
+            p.note,
         )
-    return symmetries
+        for p in assembly.pairs
+    ]
+    dropped = [Dropped(name(d.module), d.kind, d.reason, d.exact) for d in assembly.dropped]
+    return Assembly(
+        pairs,
+        [name(m) for m in assembly.attention],
+        dropped,
+        {name(m) for m in assembly.ran},
+        [(name(m), op) for m, op in assembly.opaque],
+    )
+
+
+def _trace_meta(model: nn.Module, run) -> Tracer:
+    """Trace a ``meta``-device model (shapes only): on its meta tensors, with a reduction
+    that a Python branch reads (``if mask.all():``) answering ``False``; where the
+    forward pass needs more than that, on fake tensors (slower)."""
+    try:
+        tracer = Tracer(model, meta=True)
+        with tracer.running():
+            run()
+        return tracer
+    except Exception:
+        pass
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    params = {n: fake.from_tensor(p) for n, p in model.named_parameters()}
+    buffers = {n: fake.from_tensor(b) for n, b in model.named_buffers()}
+    tracer = Tracer(model, tensors=params, buffers=buffers, fake=True)
+    with tracer.running(), fake, _swapped(model, {**params, **buffers}):
+        run()
+    return tracer
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, tensors: dict[str, Tensor]):
+    """The model's tensors replaced by ``tensors`` for the duration (restored after)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(model, tensors):
+        yield
+
+
+def _verify(model, run, pairs, cond, seed):
+    """The check of each pair (``None`` where its module did not run)."""
+    modules = dict(model.named_modules())
+    inputs = capture_inputs(model, run, [unit_of(p, modules) for p in pairs])
+    return verify_pairs(model, pairs, inputs, cond=cond, seed=seed)
+
+
+def _unseen(module: str, ran: set[str], opaque: list[tuple[str, str]]) -> str:
+    """Why the trace found no attention in an attention-like module."""
+    if module not in ran:
+        return "the traced forward pass did not run it (pass a batch that uses it)"
+    ops = list(dict.fromkeys(op for m, op in opaque if _inside(m, module)))
+    if ops:
+        return (
+            f"its projections enter {', '.join(ops[:3])}, which the trace cannot look into "
+            "(discover with eager or sdpa attention, or declare its pairs)"
+        )
+    return "its forward pass ran, but computes no attention the trace can follow"
+
+
+def _overlap(a: PairSpec, b: PairSpec) -> bool:
+    """Whether two pairs claim a common parameter entry."""
+    common = set(a.params) & set(b.params)
+    for name in common:
+        ia = torch.cat([x.index.reshape(-1) for x in a.g_blocks + a.h_blocks if x.param == name])
+        ib = torch.cat([x.index.reshape(-1) for x in b.g_blocks + b.h_blocks if x.param == name])
+        if bool(torch.isin(ia, ib).any()):
+            return True
+    return False
+
+
+def _adapted(
+    d: Dropped, handled: list[str], declared: list[PairSpec], trainable: set[str]
+) -> Dropped:
+    """A trace drop inside a module whose adapters (LoRA) a handler claims: the
+    adapters' own pairs are used there, by design (docs/architectures.md). With frozen
+    base weights nothing is lost; with trainable ones the attention symmetry that would
+    include them is ignored, and the drop says so."""
+    if d.exact or not any(h.startswith(d.module + ".") for h in handled):
+        return d
+    adapters = {n for p in declared for n in p.params}
+    base = [n for n in trainable if n.startswith(d.module + ".") and n not in adapters]
+    if base:
+        reason = (
+            "its projections carry adapters (LoRA) and their base weights are trainable: "
+            "the attention pair that would hold them is left out and they are measured "
+            "element-wise (freeze them, or merge the adapters)"
+        )
+        return Dropped(d.module, d.kind, reason, exact=False)
+    reason = "its projections carry adapters (LoRA), whose own pairs are used instead"
+    return Dropped(d.module, d.kind, reason, exact=True)
+
+
+def _attention_like(model: nn.Module) -> list[str]:
+    """Modules whose class name looks like attention and that hold parameters."""
+    out = []
+    for prefix, module in model.named_modules():
+        if _ATTENTION_LIKE.search(type(module).__name__) and any(True for _ in module.parameters()):
+            out.append(prefix or f"<root {type(module).__name__}>")
+    return _outermost(out)
+
+
+def _outermost(names: list[str]) -> list[str]:
+    return [n for n in names if not any(n != m and _inside(n, m) for m in names)]
+
+
+def _related(a: str, b: str) -> bool:
+    return _inside(a, b) or _inside(b, a)
 
 
 def _inside(name: str, ancestor: str) -> bool:
     return ancestor == "" or name == ancestor or name.startswith(ancestor + ".")
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+@contextlib.contextmanager
+def _eval(model: nn.Module):
+    from ..params import evaluation_mode
+
+    with evaluation_mode(model):
+        yield
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

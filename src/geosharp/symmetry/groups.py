@@ -2,11 +2,11 @@ r"""The symmetry groups of pairs, their elements, and acting with them on a mode
 
 A pair ``(G, H)`` is invariant under ``(G, H) -> (G A, H A^{-T})`` for ``A`` in
 ``GL(h)``, or in the subgroup left by rotary position embeddings (MATH.md section 1):
-matrices acting on each plane ``(j, j + h/2)`` as a complex scalar ``[[a, -b], [b,
-a]]``, whose Lie algebra has the basis
+matrices acting on each plane ``(j, j')`` as a complex scalar ``[[a, -b], [b, a]]``,
+``j' = j + h/2`` ("rotary") or ``(2j, 2j + 1)`` ("rotary-interleaved"), whose Lie
+algebra has the basis
 
-.. math:: A_j = e_j e_j^T + e_{j'} e_{j'}^T, \qquad B_j = e_{j'} e_j^T - e_j e_{j'}^T,
-          \qquad j' = j + h/2.
+.. math:: A_j = e_j e_j^T + e_{j'} e_{j'}^T, \qquad B_j = e_{j'} e_j^T - e_j e_{j'}^T.
 
 >>> A = random_group_elements("rotary", 3, 4, cond=10.0)  # complex scalars per plane
 >>> bool(torch.allclose(A[:, :2, :2], A[:, 2:, 2:]))  # the "a" parts of both planes
@@ -19,11 +19,10 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import real_number
-from .discovery import find_symmetries
-from .pairs import GROUPS, Block, PairSpec, Symmetries, check_group
+from .pairs import GROUPS, Block, PairSpec, Symmetries, check_group, rotary_planes
 
 __all__ = [
     "GROUPS",
@@ -31,7 +30,6 @@ __all__ = [
     "lie_algebra_basis",
     "random_group_elements",
     "random_transforms",
-    "reparameterize",
     "transform_parameters",
 ]
 
@@ -44,11 +42,10 @@ def lie_algebra_basis(group: str, h: int) -> tuple[Tensor, Tensor, Tensor]:
     ``sum_s signs[a, s] e_{rows[a, s]} e_{cols[a, s]}^T``. The elements are mutually
     Frobenius-orthogonal, each of squared norm 2."""
     check_group(group, h)
-    if group != "rotary":
+    if group == "GL":
         raise ValueError(f"group {group!r} is the full group: it needs no sparse basis")
     half = h // 2
-    j = torch.arange(half)
-    jp = j + half
+    j, jp = rotary_planes(group, h)
     rows = torch.cat([torch.stack([j, jp], 1), torch.stack([jp, j], 1)])
     cols = torch.cat([torch.stack([j, jp], 1), torch.stack([j, jp], 1)])
     signs = torch.cat(
@@ -62,7 +59,7 @@ def random_group_elements(
 ) -> Tensor:
     """``heads`` random elements of ``group`` with condition number ``cond`` (float64).
 
-    ``rotary``: on each plane ``(j, j + h/2)`` the complex scalar ``r_j e^{i phi_j}``,
+    Rotary groups: on each plane ``(j, j')`` the complex scalar ``r_j e^{i phi_j}``,
     ``r_j`` log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (shuffled), ``phi_j`` uniform.
     """
     check_group(group, h)
@@ -74,7 +71,14 @@ def random_group_elements(
     r = r[torch.stack([torch.randperm(half, generator=generator) for _ in range(heads)])]
     phi = 2 * torch.pi * torch.rand(heads, half, generator=generator, dtype=_F64)
     a, b = torch.diag_embed(r * torch.cos(phi)), torch.diag_embed(r * torch.sin(phi))
-    return torch.cat([torch.cat([a, -b], -1), torch.cat([b, a], -1)], -2)
+    half_layout = torch.cat([torch.cat([a, -b], -1), torch.cat([b, a], -1)], -2)
+    if group == "rotary":
+        return half_layout
+    j, jp = rotary_planes(group, h)
+    order = torch.cat([j, jp])  # column k of the half layout is column order[k] here
+    out = torch.empty_like(half_layout)
+    out[:, order[:, None], order[None, :]] = half_layout
+    return out
 
 
 def read_block(params: Mapping[str, Tensor], block: Block) -> Tensor:
@@ -147,30 +151,3 @@ def transform_parameters(
                 write_block(out, b, X[:, row : row + rows])
                 row += rows
     return out
-
-
-@torch.no_grad()
-def reparameterize(
-    model: nn.Module,
-    symmetries: Symmetries | None = None,
-    cond: float = 10.0,
-    seed: int = 0,
-    transforms: Mapping[str, Tensor] | None = None,
-) -> dict[str, Tensor]:
-    """Apply a random (or given) symmetry transform to ``model`` **in place**.
-
-    The function computed by the model does not change (up to round-off); every
-    pair's blocks become ``(G A, H A^{-T})``. Returns the transforms used.
-    Copy the model first (``copy.deepcopy``) to keep the original.
-    """
-    if transforms is None:
-        cond = checked_cond(cond)  # before anything is touched
-    symmetries = symmetries or find_symmetries(model)
-    transforms = dict(transforms or random_transforms(symmetries, cond, seed))
-    named = dict(model.named_parameters())
-    new = transform_parameters(
-        {n: p.detach() for n, p in named.items()}, symmetries.pairs, transforms
-    )
-    for name in {n for pair in symmetries.pairs for n in pair.params}:
-        named[name].copy_(new[name])
-    return transforms

@@ -1,7 +1,11 @@
-"""Built-in handlers: how PyTorch's and timm's attention modules store their ``(G, H)``
-pairs, and the building blocks other handlers use (:class:`Projection`,
-:func:`attention_pairs`). The registry they join is :mod:`geosharp.symmetry.registry`;
-``transformers`` and ``peft`` modules are in :mod:`.hf_handlers` and
+"""Built-in handlers: layouts declared without a forward pass, and the building blocks
+other handlers use (:class:`Projection`, :func:`attention_pairs`).
+
+``torch.nn.MultiheadAttention`` runs as one fused kernel in eval mode, which a trace
+cannot look into; timm-style attention is recognised by structure, so that a model
+without a batch still gets its pairs. Every other layout (all of ``transformers``) is
+found by tracing a forward pass (:mod:`geosharp.symmetry.trace`). The registry they
+join is :mod:`geosharp.symmetry.registry`; peft's adapters are in
 :mod:`.peft_handlers`.
 
 Layouts (MATH.md, section 1), with ``W`` an ``nn.Linear`` weight (``out x in``):

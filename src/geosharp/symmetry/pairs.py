@@ -15,22 +15,41 @@ from __future__ import annotations
 import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["GROUPS", "Block", "PairSpec", "Symmetries", "check_group", "positions"]
+__all__ = [
+    "GROUPS",
+    "Block",
+    "Dropped",
+    "PairSpec",
+    "Symmetries",
+    "Verification",
+    "check_group",
+    "positions",
+]
 
-GROUPS = ("GL", "rotary")
-"""Symmetry groups a pair may declare: the full ``GL(h)`` or the RoPE subgroup."""
+GROUPS = ("GL", "rotary", "rotary-interleaved")
+"""Symmetry groups a pair may declare: the full ``GL(h)``, or the subgroup left by
+rotary position embeddings, with planes ``(j, j + h/2)`` ("rotate half", LLaMA,
+GPT-NeoX) or ``(2j, 2j + 1)`` (interleaved, GPT-J, CodeGen)."""
+
+
+def rotary_planes(group: str, h: int) -> tuple[Tensor, Tensor]:
+    """The planes ``(j, j')`` on which a rotary group acts: two int64 vectors of ``h/2``."""
+    half = torch.arange(h // 2)
+    if group == "rotary-interleaved":
+        return 2 * half, 2 * half + 1
+    return half, half + h // 2
 
 
 def check_group(group: str, h: int) -> None:
     """Raise unless ``group`` is known and fits ``h`` columns."""
     if group not in GROUPS:
         raise ValueError(f"unknown symmetry group {group!r}: use one of {', '.join(GROUPS)}")
-    if group == "rotary" and h % 2:
+    if group != "GL" and h % 2:
         raise ValueError(f"the rotary group needs an even head dimension, got h={h}")
 
 
@@ -44,12 +63,18 @@ class Block:
     """Rows of a stacked ``G`` or ``H`` taken from one parameter.
 
     ``index[k, r, c]`` is the flat position, in parameter ``param``, of row ``r``,
-    column ``c`` of head ``k``'s block. An index that is affine in ``(k, r, c)`` (every
-    slice of a linear layer's heads is) is kept as its offset and three strides and
-    rebuilt when read: a block holds no int64 tensor for the measure's lifetime.
+    column ``c`` of head ``k``'s block. An index that is *separable*,
+    ``index[k, r, c] = heads[k] + rows[r] + cols[c]`` (every slice of a linear layer's
+    heads is, also with grouped-query stacking or permuted columns), is kept as those
+    three vectors and rebuilt when read: a block holds no parameter-sized int64 tensor
+    for the measure's lifetime. :meth:`separable` builds one without listing positions.
+
+    >>> block = Block.separable("w", torch.tensor([0, 8]), torch.arange(2), torch.tensor([0, 4]))
+    >>> block.index.tolist()  # 2 heads, 2 rows, 2 columns
+    [[[0, 4], [1, 5]], [[8, 12], [9, 13]]]
     """
 
-    __slots__ = ("_affine", "_index", "param", "shape")
+    __slots__ = ("_index", "_parts", "param", "shape")
 
     def __init__(self, param: str, index: Tensor):
         if not isinstance(index, Tensor) or index.dim() != 3 or index.dtype != torch.long:
@@ -63,26 +88,52 @@ class Block:
             )
         object.__setattr__(self, "param", param)
         object.__setattr__(self, "shape", tuple(index.shape))
-        affine = _affine(index)
-        object.__setattr__(self, "_affine", affine)
-        object.__setattr__(self, "_index", None if affine is not None else index)
+        parts = _separable(index)
+        object.__setattr__(self, "_parts", parts)
+        object.__setattr__(self, "_index", None if parts is not None else index)
+
+    @classmethod
+    def separable(cls, param: str, heads: Tensor, rows: Tensor, cols: Tensor) -> Block:
+        """The block ``index[k, r, c] = heads[k] + rows[r] + cols[c]`` (1-D int64 vectors)."""
+        block = cls.__new__(cls)
+        parts = tuple(t.detach().to("cpu", torch.long).reshape(-1) for t in (heads, rows, cols))
+        object.__setattr__(block, "param", param)
+        object.__setattr__(block, "shape", tuple(len(t) for t in parts))
+        object.__setattr__(block, "_parts", parts)
+        object.__setattr__(block, "_index", None)
+        return block
+
+    def renamed(self, param: str) -> Block:
+        """The same positions in a parameter named ``param``."""
+        if self._parts is not None:
+            return Block.separable(param, *self._parts)
+        return Block(param, self._index)
 
     def __setattr__(self, name, value):
         raise AttributeError("Block is immutable")
 
     @property
     def index(self) -> Tensor:
-        """The ``(heads, rows, h)`` int64 positions (rebuilt on each read when affine)."""
-        if self._affine is None:
+        """The ``(heads, rows, h)`` int64 positions (rebuilt on each read when separable)."""
+        if self._parts is None:
             return self._index
-        return _affine_positions(self.shape, *self._affine)
+        k, r, c = self._parts
+        return k[:, None, None] + r[None, :, None] + c[None, None, :]
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2]
+
+    def bounds(self) -> tuple[int, int]:
+        """Smallest and largest position (without listing the positions)."""
+        if self._parts is None:
+            return int(self._index.min()), int(self._index.max())
+        lo = sum(int(t.min()) for t in self._parts)
+        hi = sum(int(t.max()) for t in self._parts)
+        return lo, hi
 
     def __repr__(self) -> str:
-        where = (
-            f"offset={self._affine[0]}, strides={self._affine[1]}"
-            if self._affine is not None
-            else "explicit"
-        )
+        where = "separable" if self._parts is not None else "explicit"
         return f"Block(param={self.param!r}, shape={self.shape}, {where})"
 
     def __eq__(self, other: object) -> bool:
@@ -97,33 +148,17 @@ class Block:
     __hash__ = object.__hash__
 
 
-def _affine_positions(shape: Sequence[int], offset: int, strides: Sequence[int]) -> Tensor:
-    """``out[k, r, c] = offset + k s0 + r s1 + c s2`` (int64)."""
-    out = torch.full(tuple(shape), offset, dtype=torch.long)
-    for dim, (size, stride) in enumerate(zip(shape, strides)):
-        view = [1, 1, 1]
-        view[dim] = size
-        out += (torch.arange(size, dtype=torch.long) * stride).view(view)
-    return out
-
-
-def _affine(index: Tensor) -> tuple[int, tuple[int, int, int]] | None:
-    """``(offset, strides)`` with ``index[k, r, c] = offset + k s0 + r s1 + c s2``, or
+def _separable(index: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(heads, rows, cols)`` with ``index[k, r, c] = heads[k] + rows[r] + cols[c]``, or
     ``None`` when ``index`` is not of that form."""
     if index.numel() == 0:
         return None
     idx = index.detach().cpu()
-    offset = int(idx[0, 0, 0])
-    strides = []
-    for dim in range(3):
-        if idx.shape[dim] > 1:
-            unit = [0, 0, 0]
-            unit[dim] = 1
-            strides.append(int(idx[tuple(unit)]) - offset)
-        else:
-            strides.append(0)
-    rebuilt = _affine_positions(idx.shape, offset, strides)
-    return (offset, tuple(strides)) if torch.equal(rebuilt, idx) else None
+    origin = idx[0, 0, 0]
+    parts = (idx[:, 0, 0].clone(), idx[0, :, 0] - origin, idx[0, 0, :] - origin)
+    k, r, c = parts
+    rebuilt = k[:, None, None] + r[None, :, None] + c[None, None, :]
+    return parts if torch.equal(rebuilt, idx) else None
 
 
 def _concat_rows(blocks: Sequence[Block]) -> tuple[int, int, int]:
@@ -187,19 +222,67 @@ class PairSpec:
         return f"{self.group}({h}) x {heads} head{'s' if heads != 1 else ''}"
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A pair of an attention module that is not used, and why.
+
+    ``exact``: the module has no such symmetry (its queries are normalised, its values
+    clipped, ...), so measuring those parameters element-wise is exactly right;
+    ``False``: geosharp could not establish the pair (a layout it does not understand,
+    a failed verification), so a symmetry may exist and is ignored.
+    """
+
+    module: str
+    kind: str
+    reason: str
+    exact: bool
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A pair checked on the model: a random transform in its group changed the output
+    of module ``unit`` by ``change`` (relative to its size), a transform of ``G`` alone
+    (not a symmetry) by ``power``, both computed in ``dtype``."""
+
+    pair: str
+    unit: str
+    change: float
+    power: float
+    tolerance: float
+    dtype: str
+
+    @property
+    def ok(self) -> bool:
+        return self.change <= self.tolerance
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether the module's output depends on the pair enough for the check to tell."""
+        return self.power > 100 * self.tolerance
+
+
 @dataclass
 class Symmetries:
     """The parameter symmetries of a model, as found by :func:`find_symmetries`.
 
     ``pairs``: every pair block (``GL(h)`` or a subgroup); ``elementwise``: parameters
-    (or the parts of parameters) outside any pair, which keep the element-wise rescaling geometry;
-    ``unrecognized``: attention-like modules that no handler understood (their
-    parameters are treated element-wise, which is safe but ignores their symmetry).
+    (or the parts of parameters) outside any pair, which keep the element-wise rescaling
+    geometry. ``attention``: the attention modules found; ``dropped``: the pairs of those
+    modules that are not used, with the reason (:class:`Dropped`); ``unrecognized``:
+    modules whose symmetry is ignored because geosharp did not understand it (their
+    parameters are measured element-wise: safe, but not symmetry-correct).
+    ``verified``: per pair name, its numerical check (:class:`Verification`); empty
+    when discovery had no input to run (``discovery="structure"``) or no weights (a
+    model on the ``meta`` device).
     """
 
     pairs: list[PairSpec]
     parameters: dict[str, tuple[int, ...]]
     unrecognized: list[str] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)
+    dropped: list[Dropped] = field(default_factory=list)
+    verified: dict[str, Verification] = field(default_factory=dict)
+    discovery: str = "structure"
 
     def coverage(self) -> dict[str, Tensor]:
         """For every parameter, how many pair entries use each of its entries."""
@@ -210,24 +293,39 @@ class Symmetries:
         for pair in self.pairs:
             for block in pair.g_blocks + pair.h_blocks:
                 counts[block.param].index_add_(
-                    0, block.index.reshape(-1), torch.ones(block.index.numel(), dtype=torch.long)
+                    0, block.index.reshape(-1), torch.ones(block.numel, dtype=torch.long)
                 )
         return counts
+
+    def _claimed(self) -> dict[str, int]:
+        """Entries in pairs per parameter (blocks do not overlap: :meth:`validate`)."""
+        claimed = dict.fromkeys(self.parameters, 0)
+        for pair in self.pairs:
+            for block in pair.g_blocks + pair.h_blocks:
+                claimed[block.param] += block.numel
+        return claimed
 
     @property
     def elementwise(self) -> list[str]:
         """Parameters with at least one entry outside every pair."""
-        return [n for n, c in self.coverage().items() if bool((c == 0).any())]
+        return [
+            n for n, c in self._claimed().items() if c < int(torch.Size(self.parameters[n]).numel())
+        ]
 
-    def validate(self) -> None:
-        """Raise if an entry belongs to two pairs or a block points outside its parameter."""
+    def validate(self, max_entries: int = 1 << 26) -> None:
+        """Raise if a block points outside its parameter or an entry belongs to two pairs
+        (the second check only where pairs hold at most ``max_entries`` entries: it lists
+        them)."""
         for pair in self.pairs:
             for block in pair.g_blocks + pair.h_blocks:
                 if block.param not in self.parameters:
                     raise ValueError(f"pair {pair.name} uses unknown parameter {block.param!r}")
                 size = torch.Size(self.parameters[block.param]).numel()
-                if block.index.numel() and (block.index.min() < 0 or block.index.max() >= size):
+                lo, hi = block.bounds() if block.numel else (0, 0)
+                if block.numel and (lo < 0 or hi >= size):
                     raise ValueError(f"pair {pair.name}: index out of range for {block.param!r}")
+        if sum(self._claimed().values()) > max_entries:
+            return
         for name, count in self.coverage().items():
             if bool((count > 1).any()):
                 raise ValueError(
@@ -238,10 +336,10 @@ class Symmetries:
     def restrict(self, names: Sequence[str]) -> Symmetries:
         """Keep the pairs whose parameters are all in ``names``."""
         keep = set(names)
-        return Symmetries(
+        return replace(
+            self,
             pairs=[p for p in self.pairs if set(p.params) <= keep],
             parameters={n: s for n, s in self.parameters.items() if n in keep},
-            unrecognized=list(self.unrecognized),
         )
 
     def by_module(self) -> dict[str, list[PairSpec]]:
@@ -252,41 +350,95 @@ class Symmetries:
 
     def with_pairs(self, *pairs: PairSpec) -> Symmetries:
         """A copy with ``pairs`` added (e.g. from :func:`~geosharp.symmetry.declare_pair`),
-        validated; modules named by the new pairs leave ``unrecognized``."""
+        validated; modules named by the new pairs leave ``unrecognized`` and drop their
+        unexplained ``dropped`` entries."""
         modules = {p.module for p in pairs}
-        out = Symmetries(
+        out = replace(
+            self,
             pairs=[*self.pairs, *pairs],
             parameters=dict(self.parameters),
             unrecognized=[u for u in self.unrecognized if u not in modules],
+            dropped=[d for d in self.dropped if d.exact or d.module not in modules],
         )
         out.validate()
         return out
 
+    @property
+    def ignored(self) -> dict[str, list[Dropped]]:
+        """Per module, the symmetries not used because geosharp did not understand them
+        (the modules of :attr:`unrecognized` with their reasons)."""
+        out: dict[str, list[Dropped]] = defaultdict(list)
+        for d in self.dropped:
+            if not d.exact:
+                out[d.module].append(d)
+        for name in self.unrecognized:
+            if name not in out:
+                out[name].append(
+                    Dropped(name, "all", "attention-like module not understood", False)
+                )
+        return dict(out)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every attention symmetry found is used (nothing :attr:`ignored`)."""
+        return not self.ignored
+
     def summary(self) -> str:
-        """Per module, the pairs and their groups; per layer, the parameters left to the
-        element-wise (adaptive) geometry; then the attention-like modules not
-        recognised."""
+        """Per module, the pairs, their groups and checks, and the pairs dropped with
+        their reasons; per layer, the parameters left to the element-wise (adaptive)
+        geometry; then the modules whose symmetry is ignored."""
         lines = []
         heads_total = sum(p.shape[0] for p in self.pairs)
         groups = sorted({p.group for p in self.pairs})
-        n_modules = len(self.by_module())
+        modules = list(dict.fromkeys([*self.attention, *self.by_module()]))
+        how = {
+            "trace": "found from what a forward pass computes",
+            "structure": "found from the modules' structure (no forward pass)",
+        }.get(self.discovery, self.discovery)
+        checked = sum(1 for p in self.pairs if p.name in self.verified)
         lines.append(
             f"{len(self.pairs)} pair blocks ({heads_total} pairs; groups: "
-            f"{', '.join(groups) or 'none'}) in {n_modules} module{'s' * (n_modules != 1)}"
+            f"{', '.join(groups) or 'none'}) in {len(modules)} module"
+            f"{'s' * (len(modules) != 1)}; {how}; {checked} of {len(self.pairs)} verified"
         )
-        for module, pairs in self.by_module().items():
+        by_module = self.by_module()
+        dropped: dict[str, list[Dropped]] = defaultdict(list)
+        for d in self.dropped:
+            dropped[d.module].append(d)
+        for module in modules:
             lines.append(f"{module or '<root>'}")
-            for pair in pairs:
+            for pair in by_module.get(module, []):
                 _, n, m, h = pair.shape
                 extra = f"  ({pair.note})" if pair.note else ""
+                check = self.verified.get(pair.name)
+                mark = (
+                    "unverified"
+                    if check is None
+                    else (
+                        f"verified {check.change:.0e}" if check.ok else f"FAILED {check.change:.1e}"
+                    )
+                )
                 lines.append(
-                    f"    {pair.kind:<14} {pair.group_label:<24} G {n}x{h}, H {m}x{h}{extra}"
+                    f"    {pair.kind:<14} {pair.group_label:<24} G {n}x{h}, H {m}x{h}  "
+                    f"{mark}{extra}"
                 )
                 lines.append(f"    {'':<14} uses {', '.join(pair.params)}")
+            for d in dropped.get(module, []):
+                verdict = "no such symmetry" if d.exact else "NOT UNDERSTOOD, ignored"
+                lines.append(
+                    textwrap.fill(
+                        f"{d.kind:<14} dropped ({verdict}): {d.reason}",
+                        width=100,
+                        initial_indent="    ",
+                        subsequent_indent="        ",
+                        break_on_hyphens=False,
+                    )
+                )
 
-        coverage = self.coverage()
-        partial = {n for n, c in coverage.items() if bool((c == 0).any() and (c > 0).any())}
-        rest = [n for n, c in coverage.items() if bool((c == 0).any())]
+        claimed = self._claimed()
+        sizes = {n: int(torch.Size(s).numel()) for n, s in self.parameters.items()}
+        partial = {n for n, c in claimed.items() if 0 < c < sizes[n]}
+        rest = [n for n, c in claimed.items() if c < sizes[n]]
         lines.append(
             f"element-wise geometry: {len(rest)} of {len(self.parameters)} parameters"
             + (" ('*': partly, the rest in pairs)" if partial else "")
@@ -307,11 +459,18 @@ class Symmetries:
             )
         if self.unrecognized:
             lines.append(
-                "NOT RECOGNISED: attention-like modules whose symmetries are ignored "
-                "(their parameters are element-wise); declare their pairs with "
-                "geosharp.symmetry.declare_pair or register_handler:"
+                "NOT RECOGNISED: modules whose symmetries are ignored (their parameters are "
+                "element-wise); declare their pairs with geosharp.symmetry.declare_pair or "
+                "register_handler:"
             )
-            lines.extend(f"    {u}" for u in self.unrecognized)
+            ignored = self.ignored
+            for u in self.unrecognized:
+                reasons = "; ".join(
+                    f"{d.kind}: {d.reason}" if d.kind != "all" else d.reason
+                    for d in ignored.get(u, [])
+                    if u not in modules or d.kind == "all"
+                )
+                lines.append(f"    {u}" + (f": {reasons}" if reasons else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -4,9 +4,10 @@ A handler is ``handler(module, prefix, name_of) -> list[PairSpec]`` where ``name
 maps a parameter tensor of the model to its name. Handlers are looked up by the
 module's class (exact class or qualified class name, so ``transformers`` and ``peft``
 are never imported for it), then by structural matchers (:func:`register_matcher`).
-The built-in handlers (:mod:`.handlers`, :mod:`.hf_handlers`, :mod:`.peft_handlers`)
-register themselves when :mod:`geosharp.symmetry` is imported; register your own with
-:func:`register_handler`.
+The built-in handlers (:mod:`.handlers`, :mod:`.peft_handlers`) register themselves
+when :mod:`geosharp.symmetry` is imported; register your own with
+:func:`register_handler` for a layout the trace cannot see (a fused kernel, a custom
+autograd function). Declared pairs are verified like traced ones, and win over them.
 """
 
 from __future__ import annotations

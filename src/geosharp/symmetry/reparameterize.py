@@ -1,0 +1,52 @@
+"""Acting on a model with a random symmetry transform (re-parameterisation)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .discovery import find_symmetries
+from .groups import checked_cond, random_transforms, transform_parameters
+from .pairs import Symmetries
+
+__all__ = ["reparameterize"]
+
+
+@torch.no_grad()
+def reparameterize(
+    model: nn.Module,
+    symmetries: Symmetries | None = None,
+    cond: float = 10.0,
+    seed: int = 0,
+    transforms: Mapping[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Apply a random (or given) symmetry transform to ``model`` **in place**.
+
+    The function computed by the model does not change (up to round-off); every
+    pair's blocks become ``(G A, H A^{-T})``. Returns the transforms used. A model with
+    no pairs is left as it is, with a warning (there is nothing to transform: comparing
+    a measure before and after would prove nothing). Copy the model first
+    (``copy.deepcopy``) to keep the original.
+    """
+    if transforms is None:
+        cond = checked_cond(cond)  # before anything is touched
+    if symmetries is None:
+        symmetries = find_symmetries(model)
+    if not symmetries.pairs:
+        warnings.warn(
+            "reparameterize: nothing to transform, the model has no symmetric pairs (see "
+            "find_symmetries(model).summary()); the model is unchanged",
+            stacklevel=2,
+        )
+        return {}
+    transforms = dict(transforms or random_transforms(symmetries, cond, seed))
+    named = dict(model.named_parameters())
+    new = transform_parameters(
+        {n: p.detach() for n, p in named.items()}, symmetries.pairs, transforms
+    )
+    for name in {n for pair in symmetries.pairs for n in pair.params}:
+        named[name].copy_(new[name])
+    return transforms
