@@ -85,11 +85,23 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     add_autocast(p)
     add_json(p)
     p.add_argument("--quiet", action="store_true", help="no progress reports")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop (exit 2) when attention modules would be measured element-wise because "
+        "their symmetry is not understood, instead of marking the geodesic values",
+    )
 
 
 def add_symmetries_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint directory (save_pretrained layout) or 'minilm'")
     p.add_argument("--no-check", action="store_true", help="skip the self-check")
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="build the model from its config.json on the meta device, without loading "
+        "weights (any size, in seconds): the pairs are found but not checked",
+    )
     p.add_argument(
         "--cond",
         type=at_least_one,
@@ -285,13 +297,22 @@ def run_measure(args) -> int:
             "the values describe that random head"
         )
     batches = [move_batch(b, device) for b in batches]
-    symmetries = find_symmetries(model, warn=False)
+    symmetries = find_symmetries(model, batches[0], loss_fn=classification_loss, warn=False)
+    geodesic = [n for n in names if measure_uses_pairs(n)]
+    if args.strict and geodesic and symmetries.ignored:
+        _say_symmetry_status(symmetries, geodesic, True, say)  # raises, before anything
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
+    checked = sum(1 for p in symmetries.pairs if p.name in symmetries.verified)
+    unknown = [u for u in symmetries.unrecognized if u not in symmetries.attention]
     say(
-        f"{path}: {sum(p.numel() for p in model.parameters()):,} parameters, {n_pairs} GL "
-        f"pairs; {sum(len(b['labels']) for b in batches)} points in {len(batches)} batches "
+        f"{path}: {sum(p.numel() for p in model.parameters()):,} parameters, {n_pairs} pairs "
+        f"in {len(symmetries.attention)} attention modules"
+        + (f" ({len(unknown)} more not understood)" if unknown else "")
+        + f", {checked} of {len(symmetries.pairs)} pair blocks verified; "
+        f"{sum(len(b['labels']) for b in batches)} points in {len(batches)} batches "
         f"on {device}" + (f", {world} processes" if world > 1 else "")
     )
+    _say_symmetry_status(symmetries, geodesic, args.strict, say)
 
     results = []
     for name in names:
@@ -325,6 +346,7 @@ def run_measure(args) -> int:
             autocast_dtype=autocast_dtype(args.autocast),
             distributed=world > 1,
             measure=name,
+            strict=args.strict,
         )
         row = result.to_dict()
         row.update(measure=name, seconds=time.perf_counter() - start)
@@ -337,8 +359,9 @@ def run_measure(args) -> int:
     for r in results:
         rho = "-" if r["rho"] is None else f"{r['rho']:g}"
         value = f"{r['value']:.5g}" + (f" +- {r['stderr']:.2g}" if "stderr" in r else "")
+        label = r["measure"] + symmetry_mark(r["measure"], symmetries)
         print(
-            f"{r['measure']:<28} {rho:>8} {value:>12} {r['loss']:>9.4g} {r['seconds']:>6.1f}s",
+            f"{label:<28} {rho:>8} {value:>12} {r['loss']:>9.4g} {r['seconds']:>6.1f}s",
             file=table,
         )
     if args.json:
@@ -347,6 +370,7 @@ def run_measure(args) -> int:
             "data": args.data,
             "seed": args.seed,
             "new_parameters": loaded.new_parameters,
+            "symmetries": symmetry_payload(symmetries),
             "results": results,
         }
         if args.json == "-":
@@ -356,11 +380,78 @@ def run_measure(args) -> int:
     return 0
 
 
+def measure_uses_pairs(name: str) -> bool:
+    """Whether the named measure (or Hessian trace) has a pair factor."""
+    from .measures import HESSIAN_TRACES, measure_kwargs
+
+    return measure_kwargs(HESSIAN_TRACES.get(name, name))["geometry"].startswith("geodesic")
+
+
+def symmetry_mark(measure: str, symmetries) -> str:
+    """What the results table adds to a geodesic measure's name when it is not fully
+    symmetry-correct: ``" (no pairs)"`` or ``" (partial)"``."""
+    if not measure_uses_pairs(measure) or not symmetries.ignored:
+        return ""
+    return " (no pairs)" if not symmetries.pairs else " (partial)"
+
+
+def symmetry_payload(symmetries) -> dict:
+    """The JSON record of what discovery found."""
+    return {
+        "discovery": symmetries.discovery,
+        "pair_blocks": len(symmetries.pairs),
+        "pairs": sum(p.shape[0] for p in symmetries.pairs),
+        "attention_modules": symmetries.attention,
+        "verified": {n: v.change for n, v in symmetries.verified.items()},
+        "dropped": [
+            {"module": d.module, "kind": d.kind, "reason": d.reason, "exact": d.exact}
+            for d in symmetries.dropped
+        ],
+        "ignored": list(symmetries.ignored),
+    }
+
+
+def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> None:
+    """One line for the pairs that do not exist (exact), one for the symmetries that are
+    ignored (or, with --strict and a geodesic measure, an error)."""
+    absent = [d for d in symmetries.dropped if d.exact]
+    if absent:
+        modules = len({d.module for d in absent})
+        kinds = sorted({d.kind for d in absent})
+        say(
+            f"note: {', '.join(kinds)} pairs of {modules} attention module"
+            f"{'s' * (modules != 1)} are not symmetries ({absent[0].reason}) and are measured "
+            "element-wise, as they should be"
+        )
+    ignored = symmetries.ignored
+    if not ignored or not geodesic:
+        return
+    first, drops = next(iter(ignored.items()))
+    message = (
+        f"{len(ignored)} attention module{'s' * (len(ignored) != 1)} would be measured "
+        f"element-wise because their symmetry is not understood ({first}: {drops[0].kind}: "
+        f"{drops[0].reason}); the geodesic values are marked '(partial)' or '(no pairs)'; "
+        "see geosharp symmetries MODEL"
+    )
+    if strict:
+        raise UsageError(
+            message.replace(
+                "the geodesic values are marked",
+                "without --strict the geodesic values would be marked",
+            )
+        )
+    say("warning: " + message)
+
+
 def run_symmetries(args) -> int:
-    from .hf import example_inputs, load_model
+    from .hf import example_inputs, load_model, meta_model
     from .symmetry import check_symmetries, find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.no_weights:
+        model = meta_model(args.model)
+        print(find_symmetries(model, warn=False).summary())
+        return 0
     model = load_model(args.model)
     symmetries = find_symmetries(model, warn=False)
     print(symmetries.summary())
@@ -368,4 +459,4 @@ def run_symmetries(args) -> int:
         return 0
     check = check_symmetries(model, example_inputs(model), symmetries, cond=args.cond)
     print(check)
-    return 0 if check.ok else 1
+    return 1 if check.status == "failed" else 0

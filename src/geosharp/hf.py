@@ -31,6 +31,7 @@ __all__ = [
     "load_config",
     "load_model",
     "load_tokenizer",
+    "meta_model",
     "quiet_transformers",
     "resolve_checkpoint",
 ]
@@ -120,6 +121,17 @@ def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> n
     path = resolve_checkpoint(name)
     with quiet_transformers():
         model = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return model.eval()
+
+
+def meta_model(name: str | Path) -> nn.Module:
+    """The base model (``AutoModel``) of a checkpoint's ``config.json``, built on the
+    ``meta`` device: the architecture without weights, at any size, in seconds."""
+    from transformers import AutoModel
+
+    config = load_config(resolve_checkpoint(name))
+    with quiet_transformers(), torch.device("meta"):
+        model = AutoModel.from_config(config)
     return model.eval()
 
 
@@ -235,15 +247,15 @@ def example_inputs(
     model: nn.Module, batch_size: int = 2, seq_len: int = 12, seed: int = 0
 ) -> dict[str, Tensor]:
     """Random inputs that fit the model's config (for the symmetry self-check)."""
-    config = model.config
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    if is_vision(config):
-        size, channels = config.image_size, config.num_channels
-        pixels = torch.randn(batch_size, channels, size, size, generator=generator)
-        return {"pixel_values": pixels.to(device)}
-    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator)
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+    from .symmetry.inputs import example_inputs as from_config
+
+    inputs = from_config(model, batch_size, seq_len, seed)
+    if inputs is None:
+        raise UsageError(
+            f"cannot make example inputs for a {type(model).__name__}: its config names no "
+            "input geosharp knows (token ids, pixels, audio)"
+        )
+    return inputs
 
 
 def image_batches_for(

@@ -88,7 +88,7 @@ class SharpnessMonitor:
 
         device = next(model.parameters()).device
         batches = [move_batch(b, device) for b in self.batches]
-        symmetries = find_symmetries(model, warn=False)
+        symmetries = find_symmetries(model, batches[0], loss_fn=self.loss_fn, warn=False)
         metrics: dict[str, float] = {}
         for name in self.measures:
             result = sharpness(

@@ -51,6 +51,7 @@ from .sharpness import (
     _geometry,
     _label,
     _limited,
+    _peeked,
     _target,
 )
 
@@ -136,7 +137,8 @@ def hessian_trace(
     geo, parameters = _geometry(measure, dict(geometry), parameters)
     if geo.p != 2:
         raise ValueError("the Hessian trace needs a round ball (p=2), not the L-infinity box")
-    target = _target(model, geo, parameters, symmetries)
+    batches, total, first = _peeked(batches)
+    target = _target(model, geo, parameters, symmetries, probe=(first, loss_fn))
     layout, theta = target.layout, target.theta
     sums = torch.zeros(n_probes, dtype=torch.float64)
     losses = []
@@ -145,7 +147,7 @@ def hessian_trace(
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, target.named) if target.upcast else None
         )
-        for index, batch in _limited(batches, max_batches, progress, "hessian trace"):
+        for index, batch in _limited(batches, max_batches, progress, "hessian trace", total):
             del index
             params = {n: t.detach().requires_grad_() for n, t in theta.items()}
             loss = evaluate(params, batch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import warnings
@@ -59,6 +60,15 @@ class SharpnessResult:
     settings: dict = field(default_factory=dict)
     traces: list[APGDTrace] = field(default_factory=list)
     per_batch_starts: list[list[float]] = field(default_factory=list)
+    symmetry: dict = field(default_factory=dict)
+
+    @property
+    def symmetry_complete(self) -> bool:
+        """Whether every attention symmetry found was used: ``False`` when some attention
+        modules were measured element-wise because geosharp did not understand their
+        symmetry (``symmetry["ignored"]`` says which and why); always ``True`` for
+        measures without a pair factor (adaptive, Euclidean)."""
+        return not self.symmetry.get("ignored")
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -69,10 +79,17 @@ class SharpnessResult:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"{self.kind}-case {self.geometry} sharpness (rho={self.rho:g}): {self.value:.6g} "
             f"over {len(self.per_batch)} batch(es); unperturbed loss {self.loss:.6g}"
         )
+        ignored = self.symmetry.get("ignored") or {}
+        if ignored:
+            text += (
+                f"; NOT symmetry-correct in {len(ignored)} attention module"
+                f"{'s' * (len(ignored) != 1)} measured element-wise (see .symmetry)"
+            )
+        return text
 
 
 _GEOMETRY_KEYS = ("geometry", "metric", "eps", "p", "elementwise_step")
@@ -96,6 +113,7 @@ def sharpness(
     distributed: bool = False,
     callback: Callable[[str, int, Iterate], None] | None = None,
     low_memory: bool = False,
+    strict: bool = False,
     **flat,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
@@ -123,7 +141,11 @@ def sharpness(
             :class:`~geosharp.measures.AverageCase` (random directions).
         seed: seed of a private generator (random starts, average case); global RNG
             state is not touched.
-        symmetries: the model's symmetries (default: :func:`find_symmetries`).
+        symmetries: the model's symmetries (default: :func:`find_symmetries` on the
+            first batch with ``loss_fn``, each pair verified; not needed by measures
+            without a pair factor). Attention modules whose symmetry geosharp does not
+            understand are measured element-wise: the result says so
+            (``result.symmetry``, a warning), and ``strict=True`` makes it an error.
         parameters: names of the parameters to perturb (default: all that require
             grad), or ``"pairs"``: those of the symmetric pairs (attention's
             query/key/value/output weights and biases), where the geometries differ.
@@ -148,6 +170,8 @@ def sharpness(
             recomputed at a restart away from the current point (a forward+backward
             more there) and each gradient's buffer is new (on the CPU its memory is then
             the training step's own). Same values.
+        strict: raise instead of warning when a geodesic measure would treat attention
+            modules whose symmetry geosharp does not understand element-wise.
         **flat: the keywords of earlier versions, still accepted. The geometry piece by
             piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
             ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
@@ -193,7 +217,9 @@ def sharpness(
         rho = DEFAULT_RHO[name]
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
-    target = _target(model, geo, parameters, symmetries)
+    batches, total, first = _peeked(batches)
+    target = _target(model, geo, parameters, symmetries, probe=(first, loss_fn), strict=strict)
+    report = _symmetry_report(target, geo)
     named, pairs, layout, dtype = target.named, target.pairs, target.layout, target.dtype
     theta, upcast, device = target.theta, target.upcast, target.device
     worst = isinstance(estimator, WorstCase)
@@ -220,7 +246,7 @@ def sharpness(
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, named) if upcast else None
         )
-        for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name):
+        for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name, total):
             if index % world != rank:
                 continue
             generator = torch.Generator(device=device).manual_seed(_batch_seed(seed, index))
@@ -290,7 +316,71 @@ def sharpness(
         settings=settings,
         traces=traces,
         per_batch_starts=per_batch_starts,
+        symmetry=report,
     )
+
+
+def _peeked(batches: Iterable) -> tuple[Iterable, int | None, object]:
+    """``batches`` (a one-shot iterator is not lost), its length if known, and its
+    first batch (discovery runs on it)."""
+    if isinstance(batches, (Tensor, dict)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (e.g. a DataLoader or a list); "
+            "wrap a single batch in a list: [batch]"
+        )
+    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    if isinstance(batches, Sequence):
+        if not batches:
+            raise ValueError("no batches: `batches` yielded nothing to measure on")
+        return batches, total, batches[0]
+    iterator = iter(batches)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        raise ValueError("no batches: `batches` yielded nothing to measure on") from None
+    return itertools.chain([first], iterator), total, first
+
+
+def _symmetry_report(target: _Target, geo: Geometry) -> dict:
+    """What the measure knows of the model's symmetries: how they were found, the pairs
+    used, and the attention modules measured element-wise with why (``ignored``: the
+    symmetry was not understood; ``absent``: there is none, element-wise is exact)."""
+    sym = target.symmetries
+    if geo.metric is None or sym is None:
+        return {}
+    absent: dict[str, list[str]] = {}
+    for d in sym.dropped:
+        if d.exact:
+            absent.setdefault(d.module, []).append(f"{d.kind}: {d.reason}")
+    ignored = {m: [f"{d.kind}: {d.reason}" for d in ds] for m, ds in sym.ignored.items()}
+    return {
+        "discovery": sym.discovery,
+        "pair_blocks": len(target.pairs),
+        "pairs": sum(p.shape[0] for p in target.pairs),
+        "attention_modules": len(sym.attention),
+        "verified": sum(1 for p in target.pairs if p.name in sym.verified),
+        "absent": absent,
+        "ignored": ignored,
+    }
+
+
+def _say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
+    """Warn (or, ``strict``, raise) when a geodesic measure would treat attention
+    modules element-wise because their symmetry was not understood."""
+    ignored = symmetries.ignored
+    if not ignored:
+        return
+    first, drops = next(iter(ignored.items()))
+    reason = drops[0].reason if drops[0].kind == "all" else f"{drops[0].kind}: {drops[0].reason}"
+    message = (
+        f"{label}: {len(ignored)} attention module{'s' * (len(ignored) != 1)} measured "
+        f"element-wise because geosharp does not understand their symmetry ({first}: "
+        f"{reason}); the value is not symmetry-correct there (see result.symmetry, "
+        "find_symmetries(model).summary())"
+    )
+    if strict:
+        raise ValueError(message + "; strict=True")
+    warnings.warn(message, stacklevel=4)  # the caller of sharpness()
 
 
 def _label(geo: Geometry) -> str:
@@ -311,6 +401,7 @@ class _Target:
     upcast: bool
     theta: dict[str, Tensor]
     device: torch.device
+    symmetries: Symmetries | None = None
 
 
 def _target(
@@ -318,20 +409,47 @@ def _target(
     geo: Geometry,
     parameters: Sequence[str] | str | None,
     symmetries: Symmetries | None,
+    probe: tuple[object, LossFunction] | None = None,
+    strict: bool = False,
 ) -> _Target:
-    if symmetries is None:
-        symmetries = find_symmetries(model)
-    if isinstance(parameters, str) and parameters == "pairs":
+    """The perturbed parameters and their pairs. Without ``symmetries``, they are found
+    (:func:`find_symmetries`, on ``probe = (batch, loss_fn)`` when given) only where the
+    measure uses pairs: its geometry has a pair factor, or ``parameters="pairs"``. A
+    geometry with a pair factor on a model whose attention symmetry is partly not
+    understood warns once (``strict``: raises)."""
+    pairs_only = isinstance(parameters, str) and parameters == "pairs"
+    if symmetries is None and (geo.metric is not None or pairs_only):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if probe is not None:
+            batch, loss_fn = probe
+            symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
+        else:
+            symmetries = find_symmetries(model, warn=False)
+    if pairs_only:
         parameters = _pair_parameters(model, symmetries)
     named = _perturbed_parameters(model, parameters)
-    pairs = symmetries.restrict([n for n, _ in named]).pairs if geo.metric is not None else []
+    pairs = (
+        symmetries.restrict([n for n, _ in named]).pairs
+        if geo.metric is not None and symmetries is not None
+        else []
+    )
     dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
     upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
         dtype = torch.float32
     theta = {n: t.detach().to(dtype) for n, t in named}
+    if geo.metric is not None and symmetries is not None:
+        _say_ignored(symmetries, _label(geo), strict)
     return _Target(
-        named, pairs, ParameterLayout.from_named(named), dtype, upcast, theta, named[0][1].device
+        named,
+        pairs,
+        ParameterLayout.from_named(named),
+        dtype,
+        upcast,
+        theta,
+        named[0][1].device,
+        symmetries,
     )
 
 
@@ -427,15 +545,19 @@ def _perturbed_parameters(
     return [(n, known[n]) for n in names]
 
 
-def _limited(batches: Iterable, limit: int | None, progress: bool, label: str):
+def _limited(
+    batches: Iterable, limit: int | None, progress: bool, label: str, length: int | None = None
+):
     if isinstance(batches, (Tensor, dict)):
         raise TypeError(
             "`batches` must be an iterable of batches (e.g. a DataLoader or a list); "
             "wrap a single batch in a list: [batch]"
         )
+    if length is None and hasattr(batches, "__len__"):
+        length = len(batches)  # type: ignore[arg-type]
     total = limit
-    if hasattr(batches, "__len__"):
-        total = len(batches) if limit is None else min(limit, len(batches))  # type: ignore[arg-type]
+    if length is not None:
+        total = length if limit is None else min(limit, length)
     iterator = iter(Progress(batches, total=total, desc=label, unit="batch", enabled=progress))
     for i, batch in enumerate(iterator):
         if limit is not None and i >= limit:

@@ -43,6 +43,7 @@ def radius_pilot(
     factors = [float(f) for f in factors]
     if any(not np.isclose(b, 2 * a) for a, b in itertools.pairwise(factors)):
         raise ValueError(f"factors must double from one to the next, got {factors}")
+    sharpness_kwargs = _with_symmetries(model, batches, loss_fn, sharpness_kwargs)
     out = {}
     for name in measures:
         rhos = [DEFAULT_RHO[name] * f for f in factors]
@@ -62,6 +63,17 @@ def radius_pilot(
         ratios = [b / a if a > 0 else float("nan") for a, b in itertools.pairwise(values)]
         out[name] = dict(factors=factors, rho=rhos, value=values, ratio=ratios)
     return out
+
+
+def _with_symmetries(model, batches, loss_fn, kwargs: dict) -> dict:
+    """``kwargs`` with the model's symmetries, found once on the first batch, for the
+    several measurements that follow."""
+    if "symmetries" in kwargs:
+        return kwargs
+    from ..symmetry import find_symmetries
+
+    batches = list(batches)
+    return {**kwargs, "symmetries": find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)}
 
 
 def primary_factor(entry: dict, min_ratio: float = 3.0) -> float | None:
@@ -92,6 +104,7 @@ def maximiser_check(
     """The best value at ``rho`` with ``n_iters`` steps from ``xi = 0``, with
     ``long_iters`` steps, and with ``starts`` starts; and the relative moves of the
     latter two against the first."""
+    sharpness_kwargs = _with_symmetries(model, batches, loss_fn, sharpness_kwargs)
 
     def run(**kwargs):
         return sharpness(

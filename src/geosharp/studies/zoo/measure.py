@@ -215,13 +215,20 @@ def measure_grid(
     Hessian trace of :data:`~geosharp.measures.HESSIAN_TRACES` (``trace_probes``
     probes; its one "radius" is 0, and it keeps ``stderr`` and ``per_probe``)."""
     from ...measures import HESSIAN_TRACES, AverageCase, WorstCase, hessian_trace, sharpness
+    from ...symmetry import find_symmetries
 
+    if "symmetries" not in sharpness_kwargs:  # found once for every measure of the grid
+        sharpness_kwargs["symmetries"] = find_symmetries(
+            model, batches[0], loss_fn=loss_fn, warn=False
+        )
     results = record.setdefault("measures", {})
     for key, radii in grid.items():
         per_rho = results.setdefault(key, {})
         if key in HESSIAN_TRACES:
             if repr(0.0) not in per_rho:
-                kwargs = {k: v for k, v in sharpness_kwargs.items() if k == "parameters"}
+                kwargs = {
+                    k: v for k, v in sharpness_kwargs.items() if k in ("parameters", "symmetries")
+                }
                 trace = hessian_trace(
                     model,
                     batches,
