@@ -5,7 +5,9 @@ and compare, to check that a change of the core keeps every measured value.
     PYTHONPATH=/path/to/old/checkout/src python benchmarks/values_snapshot.py old.json
 
 Covers the float64 and float32 zoo models (``tests/zoo.py``), eight geometries, two
-radii, one and two Auto-PGD starts and the average case (288 values, about a minute).
+radii, one and two Auto-PGD starts and the average case (288 values, about a minute),
+and every attention layout of ``tests/zoo.ARCHITECTURES`` (GPT-2, LLaMA, CLIP, ...) in
+float64 under the geodesic and adaptive measures (24 values more).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import geosharp
-from zoo import CASES
+from zoo import ARCHITECTURES, CASES
 
 SETTINGS = {
     "adaptive": dict(geometry="adaptive"),
@@ -48,6 +50,13 @@ def main(path: str) -> None:
                         ).value  # fmt: skip
                         key = f"{dtype}|{name}|{measure}|{rho}|{sorted(extra.items())}"
                         out[key] = value
+    for name, arch in ARCHITECTURES.items():
+        case = arch.case()
+        for measure in ("adaptive", "geodesic-inv", "geodesic-mix"):
+            value = geosharp.sharpness(
+                case.model, case.batches, case.loss_fn, measure, rho=0.05, n_iters=10
+            ).value
+            out[f"{torch.float64}|{name}|{measure}|0.05|architectures"] = value
     Path(path).write_text(json.dumps(out, indent=0))
     print(f"{len(out)} values in {path}")
 

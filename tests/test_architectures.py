@@ -114,10 +114,15 @@ def test_gpt2_cross_attention():
         vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32, add_cross_attention=True
     )
     model = _ready(tf.GPT2LMHeadModel(config))
-    symmetries = find_symmetries(model)
+    # Without encoder states the cross-attention does not run: flagged, never guessed.
+    with pytest.warns(UserWarning, match="does not understand.*crossattention"):
+        alone = find_symmetries(model)
+    assert alone.unrecognized == ["transformer.h.0.crossattention"]
+    assert "did not run" in alone.summary()
+    batch = {"input_ids": _ids(0), "encoder_hidden_states": torch.randn(3, 5, 16, dtype=F64)}
+    symmetries = find_symmetries(model, batch)
     # The decoder queries (q_attn) and encoder keys/values (c_attn holds k | v).
     assert _pairs_of(symmetries, "transformer.h.0.crossattention") == [QK_BERT, VO_BERT]
-    batch = {"input_ids": _ids(0), "encoder_hidden_states": torch.randn(3, 5, 16, dtype=F64)}
     assert check_symmetries(model, batch, cond=COND).ok
 
 
@@ -219,7 +224,8 @@ def test_rotary_family(name):
     assert [kind for kind, _, _ in found] == kinds
     for kind, group, _ in found:
         assert group == ("rotary" if kind == "query-key" else "GL")
-    assert check_symmetries(model, {"input_ids": _ids(0)}, cond=COND).ok
+    check = check_symmetries(model, {"input_ids": _ids(0)}, cond=COND)
+    assert check.ok if kinds else check.status == "nothing to check"
 
 
 def test_llama_mqa_stacks_all_query_heads():
@@ -282,25 +288,45 @@ def test_attention_named_differently_is_flagged():
 
     model = TinyTimmViT()
     model.blocks[0]["attn"].__class__ = MyAttention
-    with pytest.warns(UserWarning, match="does not recognise"):
-        symmetries = find_symmetries(model)
+    with pytest.warns(UserWarning, match="does not understand"):
+        symmetries = find_symmetries(model)  # no batch: only declared layouts apply
     assert symmetries.unrecognized == ["blocks.0.attn"]
     assert "NOT RECOGNISED" in symmetries.summary()
     assert "blocks.0.attn" in symmetries.summary().split("NOT RECOGNISED")[1]
 
 
-def test_unsupported_hf_attention_is_flagged():
+def test_attention_named_differently_is_found_with_a_batch():
+    """The same renamed module, traced on a batch: its pairs come from what it computes."""
+
+    class MyAttention(Attention):
+        pass
+
+    model = _ready(TinyTimmViT())
+    model.blocks[0]["attn"].__class__ = MyAttention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        symmetries = find_symmetries(model, _pixels())
+    assert _pairs_of(symmetries, "blocks.0.attn") == [QK_BERT, VO_BERT]
+    assert symmetries.unrecognized == []
+
+
+def test_gpt_neox_fused_interleaved_partial_rotary():
+    """GPT-NeoX: a fused query_key_value whose heads interleave (q | k | v), rotary on a
+    quarter of each head: rotary(2) on those columns, GL(6) on the rest."""
     config = tf.GPTNeoXConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-    )
-    with pytest.warns(UserWarning, match="does not recognise"):
-        symmetries = find_symmetries(tf.GPTNeoXForCausalLM(config))
-    assert symmetries.unrecognized == ["gpt_neox.layers.0.attention"]
-    assert symmetries.pairs == []
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, rotary_pct=0.25, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = _ready(tf.GPTNeoXForCausalLM(config))
+    symmetries = find_symmetries(model, {"input_ids": _ids(0)})
+    assert _pairs_of(symmetries, "gpt_neox.layers.0.attention") == [
+        ("query-key", "rotary", (2, 17, 17, 2)),
+        ("query-key-pass", GL, (2, 17, 17, 6)),
+        ("value-output", GL, (2, 17, 16, 8)),
+    ]
+    assert all(v.ok for v in symmetries.verified.values()) and len(symmetries.verified) == 3
+    assert check_symmetries(model, {"input_ids": _ids(0)}, cond=COND).ok
 
 
 # --- RoPE: the subgroup is needed ---------------------------------------------------------
@@ -373,8 +399,12 @@ def test_lora_trainable_base_warns_and_keeps_other_pairs():
     model = _roberta_lora(target_modules=["query"])
     for p in model.parameters():
         p.requires_grad_(True)
-    with pytest.warns(UserWarning, match="not a plain linear layer"):
+    with pytest.warns(UserWarning, match="does not understand"):
         symmetries = find_symmetries(model)
+    (drop,) = [d for d in symmetries.dropped if d.module.endswith("layer.0.attention")]
+    assert (
+        drop.kind == "query-key" and not drop.exact and "base weights are trainable" in drop.reason
+    )
     kinds = sorted(p.kind for p in symmetries.pairs if p.module.endswith("layer.0.attention"))
     assert kinds == ["value-output"]  # query/key needs the adapted query: left out
     assert check_symmetries(model, {"input_ids": _ids()}, symmetries, cond=COND).ok

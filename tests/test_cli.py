@@ -1,6 +1,7 @@
 """The command line on locally saved checkpoints (nothing downloaded), and the demo."""
 
 import json
+import re
 
 from geosharp.cli import main
 
@@ -9,7 +10,42 @@ def test_symmetries_command(bert_dir, capsys):
     assert main(["symmetries", str(bert_dir)]) == 0
     out = capsys.readouterr().out
     assert "encoder.layer.0.attention" in out and "query-key" in out
+    assert "2 of 2 verified" in out and re.search(r"verified \d+e-\d+", out)
     assert "self-check OK" in out
+
+
+def test_symmetries_without_weights(bert_dir, capsys):
+    """--no-weights: the architecture of config.json on the meta device, traced on
+    shapes only; the pairs are found and marked unverified."""
+    assert main(["symmetries", str(bert_dir), "--no-weights"]) == 0
+    out = capsys.readouterr().out
+    assert "encoder.layer.0.attention" in out and "0 of 2 verified" in out
+    assert "unverified" in out and "self-check" not in out
+
+
+def test_measure_marks_values_that_are_not_symmetry_correct(
+    bert_dir, text_csv, monkeypatch, capsys
+):
+    """A model whose attention runs in a kernel the trace cannot see (simulated
+    flash-attention): the geodesic value is marked, one line says why; --strict stops
+    before measuring, with exit 2."""
+    from torch.nn import functional as F
+
+    from zoo import opaque_sdpa
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", opaque_sdpa)
+    args = ["measure", str(bert_dir), "--data", str(text_csv), "--n-points", "8",
+            "--batch-size", "8", "--n-iters", "1",
+            "--measures", "adaptive,geodesic-inv"]  # fmt: skip
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "geodesic-inv (no pairs)" in captured.out
+    assert "adaptive " in captured.out and "adaptive (" not in captured.out
+    warning = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "fused_attention" in warning[0]
+    assert main([*args, "--strict"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("geosharp: error:") and "--strict" in err[0]
 
 
 def test_measure_text_csv_json(bert_dir, text_csv, tmp_path, capsys):
@@ -43,6 +79,9 @@ def test_measure_text_csv_json(bert_dir, text_csv, tmp_path, capsys):
     assert rows["adaptive-linf"]["rho"] == 0.005  # default
     assert all(len(r["per_batch"]) == 2 for r in rows.values())
     assert payload["new_parameters"] == []  # the checkpoint has its head
+    found = payload["symmetries"]
+    assert found["discovery"] == "trace" and found["pairs"] == 4 and found["ignored"] == []
+    assert len(found["verified"]) == found["pair_blocks"] == 2
 
 
 def test_measure_vision_builtin_digits(vit_dir, capsys):

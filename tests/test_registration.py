@@ -118,7 +118,7 @@ def test_declare_pair_on_a_model():
 def test_register_handler_for_a_custom_class(monkeypatch):
     torch.manual_seed(0)
     model = Net().to(F64)
-    with pytest.warns(UserWarning, match="does not recognise"):
+    with pytest.warns(UserWarning, match="does not understand"):
         assert find_symmetries(model).unrecognized == ["attn"]
 
     monkeypatch.setitem(handler_registry._HANDLERS, FusedSelfAttention, fused_attention_pairs)

@@ -76,14 +76,32 @@ class MyAttention(nn.Module):
 
 
 def test_unrecognised_attention_is_reported_not_guessed():
+    """Without a batch, a custom module is only seen by its name: flagged, never guessed."""
     model = nn.Sequential(MyAttention(), nn.Linear(4, 2))
-    with pytest.warns(UserWarning, match="does not recognise.*0"):
+    with pytest.warns(UserWarning, match="does not understand.*: 0"):
         sym = geosharp.find_symmetries(model)
-    assert sym.pairs == [] and sym.unrecognized == ["0"]
-    assert "NOT RECOGNISED" in sym.summary() or "not recognised" in sym.summary().lower()
+    assert sym.pairs == [] and sym.unrecognized == ["0"] and sym.discovery == "structure"
+    assert "NOT RECOGNISED" in sym.summary()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         geosharp.find_symmetries(model, warn=False)
+
+
+def test_custom_attention_is_found_from_what_it_computes():
+    """With a batch, the trace finds the query/key pair of the same module, verifies it,
+    and says why there is no value/output pair (its values are the raw input)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MyAttention(), nn.Linear(4, 2)).to(F64)
+    x = torch.randn(3, 5, 4, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sym = geosharp.find_symmetries(model, x)
+    assert [(p.kind, p.group, p.shape) for p in sym.pairs] == [("query-key", "GL", (1, 5, 5, 4))]
+    assert sym.verified["0:query-key"].ok and sym.verified["0:query-key"].conclusive
+    assert sym.unrecognized == [] and sym.attention == ["0"]
+    (drop,) = sym.dropped
+    assert (drop.kind, drop.exact) == ("value-output", True) and "not projected" in drop.reason
+    assert geosharp.check_symmetries(model, x, sym, cond=100).ok
 
 
 class Wrong(nn.Module):
@@ -115,8 +133,16 @@ def test_self_check_names_a_wrong_pair():
 
     register_handler(Wrong, wrong_handler)
     model = nn.Sequential(Wrong()).double()
-    check = geosharp.check_symmetries(model, torch.randn(3, 5, 4, dtype=F64))
-    assert not check.ok
+    x = torch.randn(3, 5, 4, dtype=F64)
+    # Discovery verifies every pair on the batch: the wrong declaration is dropped, with a
+    # warning that names it, and the layout traced from the forward pass is used instead.
+    with pytest.warns(UserWarning, match=r"0:wrong: dropped, a transform .* used instead"):
+        sym = geosharp.find_symmetries(model, x)
+    assert [(p.kind, p.shape) for p in sym.pairs] == [("query-key", (1, 4, 4, 4))]
+    assert sym.unrecognized == [] and sym.verified["0:query-key"].ok
+    # Unverified, the self-check on the whole model names the culprit.
+    check = geosharp.check_symmetries(model, x, geosharp.find_symmetries(model, verify=False))
+    assert not check.ok and check.status == "failed"
     assert "0:wrong" in check.per_pair and "0:wrong" in str(check)
 
 

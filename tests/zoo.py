@@ -407,3 +407,38 @@ ARCHITECTURES = {
 """Every supported attention layout, as a tiny random float64 model: its builder, one
 batch, its loss, the attention module of its first layer with the pairs expected there,
 and the number of pairs in all."""
+
+
+# --- an attention kernel the trace cannot look into ----------------------------------------
+
+
+@torch.library.custom_op("geosharp_tests::fused_attention", mutates_args=())
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention by a kernel of a compiled library (as flash-attention is): the trace
+    sees the call, not what it computes."""
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+
+
+@fused_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        out = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+
+fused_attention.register_autograd(_backward, setup_context=_setup)
+
+
+def opaque_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    """A stand-in for ``F.scaled_dot_product_attention`` that runs the opaque kernel
+    (masks ignored): monkeypatch it in to simulate a flash-attention model."""
+    return fused_attention(query, key, value)

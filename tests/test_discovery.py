@@ -1,0 +1,220 @@
+"""Discovery beyond the coverage table: what is not understood is said, never guessed
+(warnings, ``result.symmetry``, ``strict``); opaque kernels; the ``meta`` device;
+nothing to transform; wrappers; verification in the model's own precision; the model
+is left unchanged."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import geosharp
+from geosharp.symmetry import check_symmetries, find_symmetries, reparameterize
+from hf_zoo import build
+from zoo import fused_attention
+
+F64 = torch.float64
+
+
+class KernelAttention(nn.Module):
+    """Heads computed by an opaque kernel, or by aten's math sdpa."""
+
+    def __init__(self, dim=8, heads=2, kernel=True):
+        super().__init__()
+        self.heads, self.kernel = heads, kernel
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, d = x.shape
+
+        def split(t):
+            return t.view(b, n, self.heads, -1).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        if self.kernel:
+            y = fused_attention(q, k, v)
+        else:
+            y = torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[0]
+        return self.o(y.transpose(1, 2).reshape(b, n, d))
+
+
+class Net(nn.Module):
+    def __init__(self, kernel=True):
+        super().__init__()
+        self.attn = KernelAttention(kernel=kernel)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x).mean(1))
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 5, 8, generator=g, dtype=F64), torch.arange(4) % 3
+
+
+def _loss(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _net(kernel=True):
+    torch.manual_seed(0)
+    return Net(kernel).to(F64).eval()
+
+
+def test_an_opaque_kernel_is_named_not_guessed():
+    model, batch = _net(), _batch()
+    with pytest.warns(UserWarning, match="does not understand.*attn"):
+        sym = find_symmetries(model, batch, loss_fn=_loss)
+    assert sym.pairs == [] and sym.unrecognized == ["attn"]
+    (drop,) = sym.ignored["attn"]
+    assert "fused_attention" in drop.reason and "cannot look into" in drop.reason
+    assert "fused_attention" in sym.summary()
+
+
+def test_a_geodesic_measure_says_it_is_not_symmetry_correct():
+    model, batch = _net(), _batch()
+    est = geosharp.WorstCase(n_iters=2)
+    with pytest.warns(UserWarning, match="geodesic-inv: 1 attention module measured element-wise"):
+        result = geosharp.sharpness(model, [batch], _loss, "geodesic-inv", 0.1, est)
+    assert not result.symmetry_complete
+    assert "fused_attention" in result.symmetry["ignored"]["attn"][0]
+    assert "NOT symmetry-correct" in str(result)
+    assert result.to_dict()["symmetry"]["pairs"] == 0
+    with pytest.raises(ValueError, match="strict=True"):
+        geosharp.sharpness(model, [batch], _loss, "geodesic-inv", 0.1, est, strict=True)
+    # adaptive sharpness has no pairs to miss: no warning, nothing to report
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adaptive = geosharp.sharpness(model, [batch], _loss, "adaptive", 0.1, est, strict=True)
+    assert adaptive.symmetry == {} and adaptive.symmetry_complete
+
+
+def test_aten_sdpa_kernels_are_read_as_sdpa():
+    model, batch = _net(kernel=False), _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sym = find_symmetries(model, batch, loss_fn=_loss)
+    assert [(p.kind, p.shape) for p in sym.pairs] == [
+        ("query-key", (2, 9, 9, 4)),
+        ("value-output", (2, 9, 8, 4)),
+    ]
+    assert all(v.ok and v.conclusive for v in sym.verified.values())
+
+
+def test_nothing_to_transform_or_check_is_never_ok():
+    model, batch = _net(), _batch()
+    sym = find_symmetries(model, batch, loss_fn=_loss, warn=False)
+    twin = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="nothing to transform"):
+        assert reparameterize(twin, sym) == {}
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    check = check_symmetries(model, batch[0], sym)
+    assert not check.ok and check.status == "nothing to check"
+    assert "nothing to check" in str(check)
+
+
+def test_a_meta_model_is_discovered_without_weights():
+    """A model on the meta device: the trace runs on shapes only; nothing is verified
+    (there are no weights), and the summary says so."""
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sym = find_symmetries(model)
+    assert sym.discovery == "trace" and sym.verified == {} and sym.unrecognized == []
+    assert [(p.name, p.group, p.shape) for p in sym.pairs[:2]] == [
+        ("model.layers.0.self_attn:query-key", "rotary", (2, 1024, 256, 32)),
+        ("model.layers.0.self_attn:value-output", "GL", (2, 256, 1024, 32)),
+    ]
+    assert len(sym.pairs) == 6 and "0 of 6 verified" in sym.summary()
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_meta_model_with_partial_rotary_and_fused_heads():
+    tf = pytest.importorskip("transformers")
+    config = tf.GPTNeoXConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, rotary_pct=0.25,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = tf.GPTNeoXForCausalLM(config)
+    kinds = [(p.kind, p.group, p.shape[3]) for p in find_symmetries(model).pairs[:3]]
+    assert kinds == [("query-key", "rotary", 4), ("query-key-pass", "GL", 12),
+                     ("value-output", "GL", 16)]  # fmt: skip
+
+
+class Wrapper(nn.Module):
+    """A classifier around a Hugging Face model, with a forward of its own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, batch: dict):
+        return self.head(self.inner(input_ids=batch["ids"]).last_hidden_state[:, 0])
+
+
+def test_a_wrapper_without_a_batch_traces_its_hugging_face_models():
+    pytest.importorskip("transformers")
+    inner, _, _ = build("llama")
+    model = Wrapper(inner.model).to(F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sym = find_symmetries(model)  # random inputs do not fit Wrapper.forward
+    assert sym.discovery == "trace" and sym.unrecognized == []
+    assert [p.name for p in sym.pairs[:2]] == [
+        "inner.layers.0.self_attn:query-key",
+        "inner.layers.0.self_attn:value-output",
+    ]
+    assert all(v.ok for v in sym.verified.values()) and len(sym.verified) == len(sym.pairs)
+
+
+class Float32Only(KernelAttention):
+    """An attention that refuses float64 (as fused kernels do): verified in float32."""
+
+    def forward(self, x):
+        if x.dtype != torch.float32:
+            raise RuntimeError("float32 only")
+        return super().forward(x)
+
+
+def test_verification_falls_back_to_the_model_precision():
+    torch.manual_seed(0)
+    model = nn.Sequential(Float32Only(kernel=False))
+    x = torch.randn(3, 5, 8)
+    sym = find_symmetries(model, x)
+    assert {v.dtype for v in sym.verified.values()} == {"float32"}
+    assert all(v.ok and v.tolerance == 1e-4 for v in sym.verified.values())
+
+
+def test_discovery_leaves_the_model_unchanged():
+    model, batch = _net(kernel=False), _batch()
+    model.train()
+    before = copy.deepcopy(model.state_dict())
+    find_symmetries(model, batch, loss_fn=_loss)
+    assert model.training and all(m.training for m in model.modules())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])
+
+    def failing(m, b):
+        m(b[0])
+        raise RuntimeError("the user's loss fails")
+
+    with pytest.raises(RuntimeError, match="the user's loss fails"):
+        find_symmetries(model, batch, loss_fn=failing)
+    assert model.training
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])
