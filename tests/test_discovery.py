@@ -218,3 +218,18 @@ def test_discovery_leaves_the_model_unchanged():
     assert model.training
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name])
+
+
+def test_the_trace_runs_on_two_examples_and_verification_on_the_batch():
+    """The trace keeps an integer record beside each activation: it runs on the first
+    two examples of the batch; the checks use the whole batch."""
+    model = _net(kernel=False)
+    x, y = torch.randn(8, 5, 8, dtype=F64), torch.arange(8) % 3
+    seen = []
+
+    def loss(m, batch):
+        seen.append(len(batch[0]))
+        return _loss(m, batch)
+
+    sym = find_symmetries(model, (x, y), loss_fn=loss)
+    assert seen == [2, 8] and len(sym.verified) == 2

@@ -5,7 +5,7 @@ attention ("Hide & Seek", da Silva, Dangel & Oore, ICML 2025), next to Euclidean
 adaptive sharpness.
 """
 
-from .errors import UsageError
+from .errors import SymmetryWarning, UsageError
 from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
 from .measures import (
     DEFAULT_RHO,
@@ -44,6 +44,7 @@ __all__ = [
     "PerturbationSpace",
     "SharpnessResult",
     "Symmetries",
+    "SymmetryWarning",
     "UsageError",
     "WorstCase",
     "check_symmetries",

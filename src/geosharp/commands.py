@@ -11,11 +11,12 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
-from .errors import MissingInputError, UsageError
+from .errors import MissingInputError, SymmetryWarning, UsageError
 from .options import (
     add_autocast,
     add_device,
@@ -315,42 +316,45 @@ def run_measure(args) -> int:
     _say_symmetry_status(symmetries, geodesic, args.strict, say)
 
     results = []
-    for name in names:
-        start = time.perf_counter()
-        if name in HESSIAN_TRACES:  # no radius, no autocast; every process computes it
-            trace = hessian_trace(
+    # the lines above said what is not symmetry-correct: no Python warning repeats it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SymmetryWarning)
+        for name in names:
+            start = time.perf_counter()
+            if name in HESSIAN_TRACES:  # no radius, no autocast; every process computes it
+                trace = hessian_trace(
+                    model,
+                    batches,
+                    classification_loss,
+                    HESSIAN_TRACES[name],
+                    n_probes=args.n_probes,
+                    seed=args.seed,
+                    symmetries=symmetries,
+                    progress=not args.quiet and rank == 0,
+                )
+                row = trace.to_dict()
+                row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
+                results.append(row)
+                continue
+            result = sharpness(
                 model,
                 batches,
                 classification_loss,
-                HESSIAN_TRACES[name],
-                n_probes=args.n_probes,
+                rho=rhos[name],
+                kind=args.kind,
+                n_iters=args.n_iters,
+                n_samples=args.n_samples,
                 seed=args.seed,
                 symmetries=symmetries,
                 progress=not args.quiet and rank == 0,
+                autocast_dtype=autocast_dtype(args.autocast),
+                distributed=world > 1,
+                measure=name,
+                strict=args.strict,
             )
-            row = trace.to_dict()
-            row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
+            row = result.to_dict()
+            row.update(measure=name, seconds=time.perf_counter() - start)
             results.append(row)
-            continue
-        result = sharpness(
-            model,
-            batches,
-            classification_loss,
-            rho=rhos[name],
-            kind=args.kind,
-            n_iters=args.n_iters,
-            n_samples=args.n_samples,
-            seed=args.seed,
-            symmetries=symmetries,
-            progress=not args.quiet and rank == 0,
-            autocast_dtype=autocast_dtype(args.autocast),
-            distributed=world > 1,
-            measure=name,
-            strict=args.strict,
-        )
-        row = result.to_dict()
-        row.update(measure=name, seconds=time.perf_counter() - start)
-        results.append(row)
     if rank != 0:
         return 0
 

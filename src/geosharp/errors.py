@@ -1,4 +1,5 @@
-"""Errors that are the user's to fix, told apart from bugs of ours.
+"""Errors that are the user's to fix, told apart from bugs of ours, and the warning
+that part of a model's symmetry is not used.
 
 A :class:`UsageError` names the problem and the fix in one sentence. The command line
 prints it as one line and exits with status 2; any other exception is a bug and shows
@@ -8,7 +9,13 @@ a traceback. Both classes derive from the built-in error a Python caller would e
 
 from __future__ import annotations
 
-__all__ = ["MissingDependencyError", "MissingInputError", "UsageError", "real_number"]
+__all__ = [
+    "MissingDependencyError",
+    "MissingInputError",
+    "SymmetryWarning",
+    "UsageError",
+    "real_number",
+]
 
 
 class UsageError(ValueError):
@@ -42,3 +49,9 @@ def real_number(value: object, name: str) -> float:
     if isinstance(number, bool) or not isinstance(number, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     return float(number)
+
+
+class SymmetryWarning(UserWarning):
+    """A measure or discovery says that part of a model's symmetry is not used: an
+    attention module whose symmetry geosharp does not understand, or a pair that failed
+    its check. The command line prints its own line instead."""

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import real_number
+from ..errors import SymmetryWarning, real_number
 from ..geometry.space import Geometry, PerturbationSpace
 from ..layout import ParameterLayout
 from ..params import LossFunction, evaluation_mode, functional_loss
@@ -380,7 +380,7 @@ def _say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
     )
     if strict:
         raise ValueError(message + "; strict=True")
-    warnings.warn(message, stacklevel=4)  # the caller of sharpness()
+    warnings.warn(message, SymmetryWarning, stacklevel=4)  # the caller of sharpness()
 
 
 def _label(geo: Geometry) -> str:

@@ -33,7 +33,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
+from ..errors import SymmetryWarning
 from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .assemble import Assembly, assemble
 from .inputs import example_inputs
@@ -105,7 +107,11 @@ def find_symmetries(
     discovery = "structure"
     assembly = None
     if run is not None:
-        assembly = _traced(model, run, meta, inputs is None, warn and inputs is not None)
+        small = _forward(model, _head(inputs), loss_fn, meta) if inputs is not None else None
+        if small is not None:  # the layout does not depend on the batch size
+            assembly = _traced(model, small, meta, True, warn=False)
+        if assembly is None:
+            assembly = _traced(model, run, meta, inputs is None, warn and inputs is not None)
     if assembly is None and inputs is None:  # no batch: the Hugging Face models inside
         assembly, run = _traced_parts(model, meta)
     if assembly is not None:
@@ -143,12 +149,13 @@ def find_symmetries(
                 warnings.warn(
                     f"{pair.name}: dropped, {reason}; the layout traced from the forward pass "
                     "is used instead",
+                    SymmetryWarning,
                     stacklevel=2,
                 )
             continue
         dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
         if warn:
-            warnings.warn(f"{pair.name}: dropped, {reason}", stacklevel=2)
+            warnings.warn(f"{pair.name}: dropped, {reason}", SymmetryWarning, stacklevel=2)
 
     covered = attention + [p.module for p in pairs]
     unrecognized = [
@@ -177,6 +184,7 @@ def find_symmetries(
             + ", ".join(symmetries.unrecognized)
             + ". See find_symmetries(model).summary(); declare their pairs with "
             "geosharp.symmetry.declare_pair or register_handler if they have any.",
+            SymmetryWarning,
             stacklevel=2,
         )
     return symmetries
@@ -214,6 +222,31 @@ def _forward(
     if loss_fn is not None:
         return lambda: loss_fn(model, inputs)
     return lambda: _call(model, inputs)
+
+
+def _head(batch: object, n: int = 2) -> object | None:
+    """The first ``n`` examples of a batch: every tensor whose first axis has the
+    batch's size (the most common first axis) cut to ``n``; ``None`` when the batch is
+    no larger or has no tensor. The trace keeps an integer record beside each activation:
+    on a few examples it stays small."""
+    tensors = [t for t in _tensors_of(batch) if t.dim() > 0]
+    if not tensors:
+        return None
+    sizes = [t.shape[0] for t in tensors]
+    size = max(set(sizes), key=sizes.count)
+    if size <= n:
+        return None
+
+    def cut(x):
+        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size:
+            return x[:n]
+        return x
+
+    return tree_map(cut, batch)
+
+
+def _tensors_of(obj: object) -> list[Tensor]:
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
 
 
 def _call(model: nn.Module, inputs: object) -> object:
