@@ -107,7 +107,8 @@ def find_symmetries(
     discovery = "structure"
     assembly = None
     if run is not None:
-        small = _forward(model, _head(inputs), loss_fn, meta) if inputs is not None else None
+        head = _head(inputs) if inputs is not None else None
+        small = _forward(model, head, loss_fn, meta) if head is not None else None
         if small is not None:  # the layout does not depend on the batch size
             assembly = _traced(model, small, meta, True, warn=False)
         if assembly is None:
