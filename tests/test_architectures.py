@@ -418,8 +418,12 @@ def test_dora_and_gpt2_conv1d_lora():
         use_dora=True,
     )
     symmetries = find_symmetries(llama)
-    # q_proj and v_proj carry adapters: only the LoRA pairs (DoRA: the same GL(r)).
+    # q_proj and v_proj carry adapters: only the LoRA pairs (DoRA: the same GL(r)). The
+    # attention pairs are left out by design, with their base weights frozen: nothing
+    # is ignored (DoRA's trainable magnitude is an adapter's, not a base weight).
     assert {p.kind for p in symmetries.pairs} == {"lora[default]"}
+    assert not symmetries.ignored and symmetries.dropped
+    assert all(d.exact and "adapters" in d.reason for d in symmetries.dropped)
     assert check_symmetries(llama, {"input_ids": _ids(0)}, cond=COND).ok
 
     gpt2 = _lora(_gpt2(), target_modules=["c_attn"], fan_in_fan_out=True)

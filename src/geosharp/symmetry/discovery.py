@@ -121,7 +121,7 @@ def find_symmetries(
         ran, opaque = assembly.ran, assembly.opaque
         attention += [a for a in assembly.attention if a not in attention]
         trainable = {n for n, p in named if p.requires_grad}
-        dropped += [_adapted(d, handled, declared, trainable) for d in assembly.dropped]
+        dropped += [_adapted(d, handled, trainable) for d in assembly.dropped]
 
     candidates = declared + traced  # declared layouts first
     checks = [None] * len(candidates)
@@ -418,17 +418,16 @@ def _overlap(a: PairSpec, b: PairSpec) -> bool:
     return False
 
 
-def _adapted(
-    d: Dropped, handled: list[str], declared: list[PairSpec], trainable: set[str]
-) -> Dropped:
+def _adapted(d: Dropped, handled: list[str], trainable: set[str]) -> Dropped:
     """A trace drop inside a module whose adapters (LoRA) a handler claims: the
     adapters' own pairs are used there, by design (docs/architectures.md). With frozen
-    base weights nothing is lost; with trainable ones the attention symmetry that would
-    include them is ignored, and the drop says so."""
+    base weights (those of the adapters' ``base_layer``) nothing is lost; with trainable
+    ones the attention symmetry that would include them is ignored, and the drop says
+    so."""
     if d.exact or not any(h.startswith(d.module + ".") for h in handled):
         return d
-    adapters = {n for p in declared for n in p.params}
-    base = [n for n in trainable if n.startswith(d.module + ".") and n not in adapters]
+    bases = [f"{h}.base_layer." for h in handled if h.startswith(d.module + ".")]
+    base = [n for n in trainable if any(n.startswith(b) for b in bases)]
     if base:
         reason = (
             "its projections carry adapters (LoRA) and their base weights are trainable: "
