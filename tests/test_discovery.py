@@ -233,3 +233,61 @@ def test_the_trace_runs_on_two_examples_and_verification_on_the_batch():
 
     sym = find_symmetries(model, (x, y), loss_fn=loss)
     assert seen == [2, 8] and len(sym.verified) == 2
+
+
+class HandWritten(nn.Module):
+    """Attention written by hand, in no library's layout: one fused weight (q | k | v),
+    4 query heads sharing 2 key/value heads, a bias added to the queries after the
+    projection, and a rotary embedding on planes (2j, 2j+1) of the first 4 of 8 columns."""
+
+    def __init__(self, dim=16, heads=4, kv_heads=2, d=8, rot=4):
+        super().__init__()
+        self.heads, self.kv, self.d, self.rot = heads, kv_heads, d, rot
+        self.w = nn.Parameter(torch.randn((heads + 2 * kv_heads) * d, dim) / dim**0.5)
+        self.q_bias = nn.Parameter(0.1 * torch.randn(heads, d))
+        self.out = nn.Parameter(torch.randn(dim, heads * d) / dim**0.5)
+
+    def rotate(self, x):  # x: (b, heads, n, d)
+        n = x.shape[-2]
+        angle = torch.arange(n, dtype=x.dtype)[:, None] * 0.3 ** torch.arange(self.rot // 2)
+        cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+        r, rest = x[..., : self.rot], x[..., self.rot :]
+        swapped = torch.stack((-r[..., 1::2], r[..., ::2]), -1).flatten(-2)
+        return torch.cat([r * cos + swapped * sin, rest], -1)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h, kv, d = self.heads, self.kv, self.d
+        q, k, v = (x @ self.w.t()).split([h * d, kv * d, kv * d], -1)
+        q = q.view(b, n, h, d).transpose(1, 2) + self.q_bias[:, None, :]
+        k, v = (t.view(b, n, kv, d).transpose(1, 2).repeat_interleave(h // kv, 1) for t in (k, v))
+        q, k = self.rotate(q), self.rotate(k)
+        y = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1) @ v
+        return y.transpose(1, 2).reshape(b, n, h * d) @ self.out.t()
+
+
+def test_a_hand_written_attention_is_found_from_what_it_computes():
+    torch.manual_seed(0)
+    model = nn.Sequential(HandWritten()).to(F64)
+    x = torch.randn(3, 6, 16, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sym = find_symmetries(model, x)
+    assert [(p.kind, p.group, p.shape) for p in sym.pairs] == [
+        # G stacks the 2 query heads (16 input rows + the added bias row each) of a key head
+        ("query-key", "rotary-interleaved", (2, 34, 16, 4)),
+        ("query-key-pass", "GL", (2, 34, 16, 4)),
+        ("value-output", "GL", (2, 16, 32, 8)),
+    ]
+    assert all(v.ok and v.conclusive for v in sym.verified.values()) and len(sym.verified) == 3
+    assert check_symmetries(model, x, sym, cond=100).max_rel_change < 1e-12
+    # a full GL(8) on the query/key columns is not a symmetry: the rotation forbids it
+    from geosharp.symmetry import PairSpec, Symmetries
+    from geosharp.symmetry.groups import random_matrices
+
+    qk = sym.pairs[0]
+    gl = PairSpec(qk.module, "qk-as-GL", qk.g_blocks, qk.h_blocks)  # the rotated columns, GL(4)
+    transforms = {gl.name: random_matrices(2, 4, 100.0)}
+    moved = copy.deepcopy(model)
+    reparameterize(moved, Symmetries([gl], sym.parameters), transforms=transforms)
+    assert (moved(x) - model(x)).abs().max() > 1e-3 * model(x).abs().max()

@@ -160,20 +160,22 @@ class _Builder:
                     raise _NotPair("a column mixes features of different heads or projections")
                 partner = torch.where(is_feat, cols, partner)
             if bool(is_param.any()):
-                if not bool(is_param.all()):
-                    raise _NotPair("a parameter is added to some columns of a head only")
-                params = (slot // PARAM_BASE - 1).unique()
+                params = (slot[is_param] // PARAM_BASE - 1).unique()
                 if len(params) != 1:
                     raise _NotPair("parameters are added to different columns of a head")
                 p, positions = int(params[0]), slot % PARAM_BASE
                 if p in biases:
-                    # a bias added before a rotation: its partner's entries, rotated along
-                    kept = biases[p]
+                    # a bias added before a rotation: on the rotated columns, the entries
+                    # of their partners, rotated along
                     rotated = partner >= 0
-                    expected = torch.where(rotated, kept.gather(1, partner.clamp_min(0)), kept)
-                    if not bool(rotated.any()) or not torch.equal(positions, expected):
+                    expected = biases[p].gather(1, partner.clamp_min(0))
+                    if not torch.equal(is_param, rotated) or not torch.equal(
+                        positions[rotated], expected[rotated]
+                    ):
                         raise _NotPair("one parameter is added twice to a head")
                     continue
+                if not bool(is_param.all()):
+                    raise _NotPair("a parameter is added to some columns of a head only")
                 biases[p] = positions
         rotated = partner >= 0
         back = partner.clamp_min(0).gather(1, partner.clamp_min(0))

@@ -312,6 +312,9 @@ _QUERIES = {"size", "dim", "numel", "shape", "dtype", "device", "is_floating_poi
 _CONTRACTIONS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm",
                  "addmm", "einsum"}  # fmt: skip
 _NOT_ACTIVATIONS = {"embedding"}  # parameter lookups: their output is an input
+# Factories that take a tensor's shape, not its values: their result is a constant.
+_LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+         "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}  # fmt: skip
 # Boolean results that Python code branches on (``if mask.all():``): on the meta device
 # they read as False.
 _CONDITIONS = {
@@ -536,6 +539,10 @@ class Tracer:
             return self._contraction(name, args, kwargs, out)
         if name in _NOT_ACTIVATIONS:
             return
+        if name in _LIKE:
+            for t in outs:
+                self._set(t, CONST)
+            return
         if all(s is None for s in shadows):
             if not inputs:  # a factory: constant
                 for t in outs:
@@ -585,15 +592,12 @@ class Tracer:
     def _move(self, func, name, args, kwargs, out, shadows) -> None:
         outs = _tensors(out)
         if name in _SAME and name not in ("contiguous", "clone"):
+            # a cast or an identity (eval-mode dropout): each element keeps its sources,
+            # and a parameter view's element keeps its place in the parameter
             first = shadows[0] if shadows else None
-            if isinstance(first, Feat | Taint) or first in (SCORE, CONST) or first is None:
-                for t in outs:
-                    self._set(t, first)
-                return
-            if isinstance(first, (PRef, PDerived)):  # a dtype cast keeps each entry's place
-                for t in outs:
-                    self._set(t, first)
-                return
+            for t in outs:
+                self._set(t, first)
+            return
         kinds = {type(s) if not isinstance(s, _Marker) else s for s in shadows if s is not None}
         if SCORE in kinds:
             for t in outs:
@@ -614,6 +618,7 @@ class Tracer:
             single = (
                 len(shadows) == 1
                 and isinstance(args[0], Tensor)
+                and self.shadow(args[0]) is feats[0]
                 and not any(isinstance(a, Tensor) for a in args[1:])
                 and not any(isinstance(v, Tensor) for v in kwargs.values())
             )
@@ -628,7 +633,7 @@ class Tracer:
             return
         if PRef in kinds or PDerived in kinds:
             refs = [s for s in shadows if isinstance(s, PRef)]
-            if len(refs) == 1 and not kinds - {PRef, _Marker}:
+            if len(refs) == 1 and kinds <= {PRef}:
                 tensor = next(
                     t for t in _tensors((args, kwargs)) if isinstance(self.shadow(t), PRef)
                 )
