@@ -140,6 +140,37 @@ def test_nan_loss(small):
         geosharp.sharpness(small.model, small.batches, nan_loss, rho=0.1)
 
 
+class _LogWeight(nn.Module):
+    """loss = -log(w): finite at w = 1, NaN once a perturbation of radius > 1 crosses 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1, dtype=torch.float64))
+
+
+def _log_loss(model, batch):
+    return -torch.log(model.w).sum() * batch.mean()
+
+
+@pytest.mark.parametrize(
+    "estimator, where",
+    [(geosharp.WorstCase(n_iters=5), "Auto-PGD step"), (geosharp.AverageCase(8), "direction")],
+)
+def test_nonfinite_perturbed_loss(estimator, where):
+    model, batches = _LogWeight(), [torch.ones(2, dtype=torch.float64)] * 2
+    kw = dict(measure="euclidean", rho=3.0, estimator=estimator)
+    with pytest.raises(FloatingPointError, match=rf"batch 0, {where} \d+: loss nan.*lower rho"):
+        geosharp.sharpness(model, batches, _log_loss, **kw)
+    result = geosharp.sharpness(model, batches, _log_loss, nonfinite="inf", **kw)
+    assert result.value == math.inf and result.per_batch == [math.inf, math.inf]
+    assert result.nonfinite and all(where in w for w in result.nonfinite)
+    fine = geosharp.sharpness(model, batches, _log_loss, **{**kw, "rho": 0.5})
+    assert math.isfinite(fine.value) and fine.nonfinite == []
+    assert model.w.item() == 1.0
+    with pytest.raises(ValueError, match="nonfinite must be"):
+        geosharp.sharpness(model, batches, _log_loss, nonfinite="nan", **kw)
+
+
 def test_non_scalar_loss(small):
     def vector_loss(model, batch):
         return F.cross_entropy(model(batch[0]), batch[1], reduction="none")

@@ -138,6 +138,14 @@ def _bad_inputs(bert, vit, csv, tmp):
     torch.save(torch.zeros(3), tmp / "tensor.pt")
     (tmp / "labels.csv").write_text("text,label\ngood film,0\nbad film,7\n")
     (tmp / "data.xyz").write_text("x")
+    (tmp / "empty_text.csv").write_text("text,label\ngood film,0\n  ,1\n")
+    (tmp / "short_row.csv").write_text("text,label\ngood film,0\nbad film\n")
+    (tmp / "null.jsonl").write_text('{"text": "good", "label": 0}\n{"text": null, "label": 1}\n')
+    (tmp / "latin1.csv").write_bytes("text,label\ncaf\xe9 film,0\n".encode("latin-1"))
+    pixels = torch.zeros(4, 1, 8, 8)
+    torch.save({"pixel_values": pixels, "labels": torch.zeros(3, dtype=torch.long)}, tmp / "n.pt")
+    torch.save({"pixel_values": pixels, "labels": torch.zeros(4)}, tmp / "float.pt")
+    torch.save({"pixel_values": pixels, "labels": [0, 1, 2, 3]}, tmp / "list.pt")
     m = ["measure", str(bert), "--data", str(csv)]
     return {
         "missing checkpoint": (["measure", str(tmp / "nope"), "--data", str(csv)], "not found"),
@@ -164,11 +172,33 @@ def _bad_inputs(bert, vit, csv, tmp):
             "dict of input tensors",
         ),
         "pt unreadable": (["measure", str(vit), "--data", str(tmp / "bare.pt")], "torch.load"),
+        "pt lengths differ": (
+            ["measure", str(vit), "--data", str(tmp / "n.pt")],
+            "pixel_values 4, labels 3",
+        ),
+        "pt float labels": (["measure", str(vit), "--data", str(tmp / "float.pt")], "integers"),
+        "pt labels not a tensor": (
+            ["measure", str(vit), "--data", str(tmp / "list.pt")],
+            "dict of input tensors",
+        ),
+        "empty text": ([*m[:3], str(tmp / "empty_text.csv")], "data row 2: 'text' is empty"),
+        "short csv row": ([*m[:3], str(tmp / "short_row.csv")], "'label' is missing"),
+        "null text": ([*m[:3], str(tmp / "null.jsonl")], "data row 2: 'text' is missing"),
+        "csv not utf-8": ([*m[:3], str(tmp / "latin1.csv")], "not UTF-8"),
         "unknown data format": ([*m[:3], str(tmp / "data.xyz")], "unknown format"),
         "text data for a vision model": (["measure", str(vit), "--data", str(csv)], "text data"),
         "symmetries missing path": (["symmetries", str(tmp / "nope")], "not found"),
         "json into a missing dir": ([*m, "--json", str(tmp / "no" / "x.json")], "does not exist"),
         "json is a directory": ([*m, "--json", str(tmp)], "directory"),
+        "json is the data file": ([*m, "--json", str(csv)], "is --data"),
+        "json inside the checkpoint": (
+            [*m, "--json", str(bert / "config.json")],
+            "is inside the checkpoint",
+        ),
+        "json over the tokenizer": (
+            [*m, "--tokenizer", str(bert), "--json", str(bert / "new.json")],
+            "inside the checkpoint",
+        ),
         "tokenizer missing": ([*m, "--tokenizer", str(tmp / "nope")], "--tokenizer"),
         "unknown column": ([*m, "--text-column", "review"], "no column 'review'"),
         "demo cond": (["demo", "--cond", "0.5"], "--cond"),
@@ -199,7 +229,13 @@ def test_debug_shows_the_traceback(bert_dir, text_csv):
 
 
 @pytest.mark.parametrize(
-    "bad", [["--rho", "-1"], ["--json", "/no/such/dir/x.json"], ["--device", "foo"]]
+    "bad",
+    [
+        ["--rho", "-1"],
+        ["--json", "/no/such/dir/x.json"],
+        ["--device", "foo"],
+        ["--json", "CHECKPOINT/config.json"],
+    ],
 )
 def test_arguments_are_checked_before_the_model_loads(bert_dir, text_csv, monkeypatch, capsys, bad):
     import geosharp.hf
@@ -209,7 +245,32 @@ def test_arguments_are_checked_before_the_model_loads(bert_dir, text_csv, monkey
 
     monkeypatch.setattr(geosharp.hf, "load_classifier", forbidden)
     monkeypatch.setattr(geosharp.hf, "load_config", forbidden)
+    bad = [a.replace("CHECKPOINT", str(bert_dir)) for a in bad]
     _one_line_error(capsys, main(["measure", str(bert_dir), "--data", str(text_csv), *bad]))
+
+
+def test_nonfinite_value_is_inf_with_its_reason_and_json_stays_strict(
+    bert_dir, text_csv, tmp_path, capsys
+):
+    """--nonfinite inf: the value is inf (null in JSON, which other readers accept),
+    never 0 ("flat"), and the row and a note say where; --force writes where an input
+    lives (here a copy of the data file)."""
+    data = tmp_path / "data.csv"
+    data.write_bytes(text_csv.read_bytes())
+    args = ["measure", str(bert_dir), "--data", str(data), "--measures", "adaptive",
+            "--rho", "1e38", "--n-iters", "2", "--n-points", "8", "--nonfinite", "inf",
+            "--json", str(data), "--force"]  # fmt: skip
+    assert main(args[:-5]) == 2  # by default an error, after the info line
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Auto-PGD step 1: loss nan" in error and "--nonfinite inf" in error
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "note: adaptive is inf" in captured.err and "inf" in captured.out
+    text = data.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)["results"][0]
+    assert row["value"] is None and row["per_batch"] == [None]
+    assert "Auto-PGD step" in row["nonfinite"][0]
 
 
 def test_study_needing_matplotlib_says_so_before_computing(monkeypatch, tmp_path, capsys):
@@ -342,8 +403,11 @@ def test_text_data_formats_agree(bert_dir, text_csv, tmp_path, capsys):
     )
     datasets.DatasetDict(train=table).save_to_disk(str(tmp_path / "hf"))
 
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbf" + text_csv.read_bytes())  # a BOM
+
     base = ["measure", str(bert_dir), "--data"]
     reference = _measure_value(capsys, [*base, str(text_csv)])
+    assert _measure_value(capsys, [*base, str(tmp_path / "excel.csv")]) == reference
     jsonl = [*base, str(tmp_path / "d.jsonl"), "--text-column", "review"]
     tsv = [*base, str(tmp_path / "d.tsv"), "--text-column", "sentence", "--label-column", "y"]
     assert _measure_value(capsys, [*jsonl, "--label-column", "sentiment"]) == reference

@@ -7,7 +7,6 @@ a problem is reported as a :class:`~geosharp.errors.UsageError` (one line, exit 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -85,6 +84,19 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     add_autocast(p)
     add_json(p)
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="let --json write over the --data file or into the checkpoint directory",
+    )
+    p.add_argument(
+        "--nonfinite",
+        choices=("error", "inf"),
+        default="error",
+        help="when a perturbed loss is NaN or infinite (rho reaches where the model breaks "
+        "down): stop with an error (default), or report the value as inf with the reason "
+        "(null in JSON)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress reports")
     p.add_argument(
         "--strict",
@@ -256,6 +268,24 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[
             f"(found {type(tensors).__name__}); save e.g. {{'pixel_values': x, 'labels': y}}"
         )
     labels = tensors["labels"]
+    other = {k: v for k, v in tensors.items() if not isinstance(v, torch.Tensor)}
+    if other:
+        key = next(iter(other))
+        raise UsageError(
+            f"--data {source}: {key!r} is a {type(other[key]).__name__}, not a tensor; "
+            "save only tensors, one row per data point"
+        )
+    lengths = {k: len(v) if v.dim() else 0 for k, v in tensors.items()}
+    if len(set(lengths.values())) > 1:
+        raise UsageError(
+            f"--data {source}: the tensors hold different numbers of data points "
+            f"({', '.join(f'{k} {m}' for k, m in lengths.items())}); give each one row per point"
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dim() != 1:
+        raise UsageError(
+            f"--data {source}: 'labels' must be a 1-d tensor of class indices (integers), "
+            f"got {str(labels.dtype).removeprefix('torch.')} of shape {tuple(labels.shape)}"
+        )
     check_label_range(labels, classes)
     n = min(n, len(labels))
     return [
@@ -268,7 +298,7 @@ def run_measure(args) -> int:
     from . import distributed as gd
     from .data import move_batch
     from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
-    from .io import write_json_atomic
+    from .io import dumps, write_json_atomic
     from .measures import HESSIAN_TRACES, hessian_trace, sharpness
     from .symmetry import find_symmetries
 
@@ -276,12 +306,17 @@ def run_measure(args) -> int:
     # cheap checks first: arguments, paths, devices
     names = measure_names(args.measures)
     rhos = rho_table(args.rho, names)
-    check_output_path(args.json)
     device = check_device(args.device)
     data_kind(args.data)
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise MissingInputError(f"--tokenizer {args.tokenizer}: no such directory")
     path = resolve_checkpoint(args.model)
+    inputs = {"the checkpoint": path}
+    if args.data not in BUILTIN_DATA:
+        inputs["--data"] = args.data
+    if args.tokenizer is not None:
+        inputs["--tokenizer"] = args.tokenizer
+    check_output_path(args.json, protected=inputs, force=args.force)
     config = load_config(path)
     batches = load_batches(args, path, config)
     if not batches:
@@ -336,25 +371,39 @@ def run_measure(args) -> int:
                 row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
                 results.append(row)
                 continue
-            result = sharpness(
-                model,
-                batches,
-                classification_loss,
-                rho=rhos[name],
-                kind=args.kind,
-                n_iters=args.n_iters,
-                n_samples=args.n_samples,
-                seed=args.seed,
-                symmetries=symmetries,
-                progress=not args.quiet and rank == 0,
-                autocast_dtype=autocast_dtype(args.autocast),
-                distributed=world > 1,
-                measure=name,
-                strict=args.strict,
-            )
+            try:
+                result = sharpness(
+                    model,
+                    batches,
+                    classification_loss,
+                    rho=rhos[name],
+                    kind=args.kind,
+                    n_iters=args.n_iters,
+                    n_samples=args.n_samples,
+                    seed=args.seed,
+                    symmetries=symmetries,
+                    progress=not args.quiet and rank == 0,
+                    autocast_dtype=autocast_dtype(args.autocast),
+                    distributed=world > 1,
+                    measure=name,
+                    strict=args.strict,
+                    nonfinite=args.nonfinite,
+                )
+            except FloatingPointError as err:  # the user's radius or model, not our bug
+                raise UsageError(
+                    str(err)
+                    .replace("lower rho", f"lower --rho (now {rhos[name]:g})")
+                    .replace("(nonfinite='inf')", "(--nonfinite inf)")
+                ) from None
             row = result.to_dict()
             row.update(measure=name, seconds=time.perf_counter() - start)
             results.append(row)
+            if result.nonfinite:
+                say(
+                    f"note: {name} is inf: a perturbed loss is not finite in "
+                    f"{len(result.nonfinite)} place(s), first {result.nonfinite[0]}; "
+                    "lower --rho for a finite value"
+                )
     if rank != 0:
         return 0
 
@@ -378,9 +427,9 @@ def run_measure(args) -> int:
             "results": results,
         }
         if args.json == "-":
-            print(json.dumps(payload, indent=2))
+            print(dumps(payload))
         else:
-            write_json_atomic(args.json, payload)
+            write_json_atomic(args.json, payload, strict=True)
     return 0
 
 

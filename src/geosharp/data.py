@@ -181,11 +181,9 @@ def read_texts(
     if is_datasets_dir(path):
         rows = _datasets_rows(path, split, limit)
     elif path.suffix.lower() in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            rows = [r for _, r in zip(range(limit if limit is not None else 1 << 62), reader)]
+        rows = _utf8(path, lambda: _table_rows(path, limit))
     elif path.suffix.lower() in (".jsonl", ".json"):
-        rows = _json_lines(path, limit)
+        rows = _utf8(path, lambda: _json_lines(path, limit))
     else:
         raise UsageError(
             f"cannot read {path}: text data must be a .csv, .tsv or .jsonl file or a "
@@ -199,6 +197,14 @@ def read_texts(
             f"{path} has no column {', '.join(map(repr, missing))} (columns: "
             f"{', '.join(map(str, rows[0]))}): name them with --text-column/--label-column"
         )
+    for number, row in enumerate(rows, 1):
+        for column in (*columns, label_column):
+            value = row[column]
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise UsageError(
+                    f"{path}, data row {number}: {column!r} is "
+                    f"{'missing' if value is None else 'empty'}; fill or remove the row"
+                )
     texts = [
         str(r[columns[0]]) if len(columns) == 1 else (str(r[columns[0]]), str(r[columns[1]]))
         for r in rows
@@ -206,11 +212,28 @@ def read_texts(
     return LabelledTexts(texts, [r[label_column] for r in rows])
 
 
+def _table_rows(path: Path, limit: int | None) -> list[dict]:
+    # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+        return [r for _, r in zip(range(limit if limit is not None else 1 << 62), reader)]
+
+
+def _utf8(path: Path, read):
+    try:
+        return read()
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            "save it as UTF-8"
+        ) from None
+
+
 def _json_lines(path: Path, limit: int | None) -> list[dict]:
     import json
 
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
                 break

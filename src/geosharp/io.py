@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["write_json_atomic", "write_text_atomic"]
+__all__ = ["dumps", "write_json_atomic", "write_text_atomic"]
 
 
 def _umask() -> int:
@@ -42,10 +42,44 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+def write_json_atomic(path: str | os.PathLike, obj: Any, strict: bool = False) -> None:
     """Write ``obj`` as indented JSON (NumPy scalars and arrays as numbers and lists)
-    to ``path``, atomically (:func:`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    to ``path``, atomically (:func:`write_text_atomic`). ``strict``: non-finite floats
+    as ``null`` (:func:`dumps`), for files read by other programs; otherwise Python's
+    ``NaN``/``Infinity``, which the study stores read back."""
+    text = dumps(obj) if strict else json.dumps(obj, indent=2, default=_jsonable)
+    write_text_atomic(path, text + "\n")
+
+
+def dumps(obj: Any, **kwargs) -> str:
+    """``obj`` as strict JSON (indented unless ``indent`` says otherwise; other
+    keywords go to ``json.dumps``): a non-finite float, which JSON has no word for
+    (Python would write ``NaN``, which other readers reject), becomes ``null``; the
+    record says why elsewhere.
+
+    >>> print(dumps({"value": float("inf"), "per_batch": [1.5, float("nan")]}))
+    {
+      "value": null,
+      "per_batch": [
+        1.5,
+        null
+      ]
+    }
+    """
+    kwargs.setdefault("indent", 2)
+    return json.dumps(_finite(obj), default=_jsonable, allow_nan=False, **kwargs)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _finite(x.tolist())
+    return x
 
 
 def _jsonable(x: Any) -> Any:

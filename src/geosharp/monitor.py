@@ -43,7 +43,9 @@ class SharpnessMonitor:
             classifier on dict batches with ``labels``.
         measures: names of :data:`geosharp.measures.MEASURES`.
         rho: one radius for all measures, or ``{name: rho}``; default ``DEFAULT_RHO``.
-        n_iters, seed, **options: passed to :func:`geosharp.sharpness`.
+        n_iters, seed, **options: passed to :func:`geosharp.sharpness`; unless
+            ``options`` say otherwise, a radius where a perturbed loss is not finite
+            gives ``inf`` (``nonfinite="inf"``), so that training goes on.
         prefix: prefix of the metric names.
 
     ``monitor(model, step)`` returns ``{prefix + name: value, prefix + "loss": loss}``
@@ -100,7 +102,7 @@ class SharpnessMonitor:
                 seed=self.seed,
                 symmetries=symmetries,
                 measure=name,
-                **self.options,
+                **{"nonfinite": "inf", **self.options},  # training goes on; inf is logged
             )
             metrics[self.prefix + name] = result.value
         metrics[self.prefix + "loss"] = result.loss

@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .errors import UsageError
@@ -136,9 +137,16 @@ def check_device(spec: str):
     return device
 
 
-def check_output_path(path: str | None, option: str = "--json") -> None:
+def check_output_path(
+    path: str | None,
+    option: str = "--json",
+    protected: dict[str, str | os.PathLike] | None = None,
+    force: bool = False,
+) -> None:
     """An error unless ``path`` (``None`` and ``-`` pass) can be written: its directory
-    exists and is writable, and it is not a directory itself."""
+    exists and takes a test file, it is not a directory, and (unless ``force``) it is
+    not one of the user's inputs in ``protected`` (``{"--data": file, "the checkpoint":
+    directory}``: the file itself, or anything inside the directory)."""
     if path is None or path == "-":
         return
     target = Path(path)
@@ -147,8 +155,26 @@ def check_output_path(path: str | None, option: str = "--json") -> None:
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{option} {path}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    if not force:
+        where = target.resolve()
+        for what, other in (protected or {}).items():
+            other = Path(other).resolve()
+            if where == other or (other.is_dir() and other in where.parents):
+                inside = "is" if where == other else "is inside"
+                raise UsageError(
+                    f"{option} {path} {inside} {what} ({other}): writing it would destroy "
+                    "an input; choose another path (or add --force)"
+                )
+    if target.exists() and not os.access(target, os.W_OK):
         raise UsageError(f"{option} {path}: not writable; choose another path")
+    try:  # os.access does not know read-only file systems or quotas: try it
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UsageError(
+            f"{option} {path}: cannot write in {parent} ({err.strerror}); choose another path"
+        ) from None
 
 
 def note(message: str) -> None:

@@ -31,7 +31,6 @@ other fused kernels (flash-attention packages) must be switched off by the user.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..geometry.space import Geometry, PerturbationSpace
+from ..io import dumps
 from ..params import LossFunction, evaluation_mode, functional_loss
 from ..symmetry.pairs import Symmetries
 from .sharpness import (
@@ -80,7 +80,8 @@ class HessianTraceResult:
         return asdict(self)
 
     def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        """Strict JSON: a non-finite value is ``null`` (``nonfinite`` says why)."""
+        return dumps(self.to_dict(), **{"indent": None, **kwargs})
 
     def __str__(self) -> str:
         return (

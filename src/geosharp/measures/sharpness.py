@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 
 from ..errors import SymmetryWarning, real_number
 from ..geometry.space import Geometry, PerturbationSpace
+from ..io import dumps
 from ..layout import ParameterLayout
 from ..params import LossFunction, evaluation_mode, functional_loss
 from ..progress import Progress
@@ -48,6 +48,8 @@ class SharpnessResult:
     unperturbed loss); ``per_batch`` holds each batch's value, ``loss`` the mean
     unperturbed loss, ``traces`` the Auto-PGD trace of each batch (worst case; of its
     best start), ``per_batch_starts`` each start's value per batch (several starts).
+    ``nonfinite``: where a perturbed loss was not finite (``nonfinite="inf"``: the
+    value is then ``inf``, never a finite number).
     """
 
     value: float
@@ -61,6 +63,7 @@ class SharpnessResult:
     traces: list[APGDTrace] = field(default_factory=list)
     per_batch_starts: list[list[float]] = field(default_factory=list)
     symmetry: dict = field(default_factory=dict)
+    nonfinite: list[str] = field(default_factory=list)
 
     @property
     def symmetry_complete(self) -> bool:
@@ -76,7 +79,8 @@ class SharpnessResult:
         return out
 
     def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        """Strict JSON: a non-finite value is ``null`` (``nonfinite`` says why)."""
+        return dumps(self.to_dict(), **{"indent": None, **kwargs})
 
     def __str__(self) -> str:
         text = (
@@ -114,6 +118,7 @@ def sharpness(
     callback: Callable[[str, int, Iterate], None] | None = None,
     low_memory: bool = False,
     strict: bool = False,
+    nonfinite: str = "error",
     **flat,
 ) -> SharpnessResult:
     """Measure the sharpness of ``model`` on ``batches``.
@@ -172,6 +177,12 @@ def sharpness(
             the training step's own). Same values.
         strict: raise instead of warning when a geodesic measure would treat attention
             modules whose symmetry geosharp does not understand element-wise.
+        nonfinite: what a perturbed loss that is not finite (NaN or infinite: the radius
+            reaches where the model breaks down) makes of the value: ``"error"`` (the
+            default) raises a ``FloatingPointError`` naming the batch and step;
+            ``"inf"`` reports ``inf`` for that batch, and where in
+            ``result.nonfinite``. Never a finite number: the supremum over a ball that
+            holds such a point is not one.
         **flat: the keywords of earlier versions, still accepted. The geometry piece by
             piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
             ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
@@ -197,6 +208,8 @@ def sharpness(
     unknown = sorted(set(flat) - {*_GEOMETRY_KEYS, *_ESTIMATOR_KEYS})
     if unknown:
         raise TypeError(f"sharpness() got unexpected keyword argument(s): {', '.join(unknown)}")
+    if nonfinite not in ("error", "inf"):
+        raise ValueError(f"nonfinite must be 'error' or 'inf', got {nonfinite!r}")
     estimator = _estimator(estimator, {k: flat[k] for k in _ESTIMATOR_KEYS if k in flat})
     geo, parameters = _geometry(
         measure, {k: flat[k] for k in _GEOMETRY_KEYS if k in flat}, parameters
@@ -240,7 +253,9 @@ def sharpness(
     )
     autocast = _autocast(device, autocast_dtype)
 
-    records = []  # (batch index, value, unperturbed loss, trace, value of each start)
+    # (batch index, value, unperturbed loss, trace, value of each start, where a
+    # perturbed loss was not finite)
+    records = []
     with evaluation_mode(model):
         space = PerturbationSpace(theta, layout, pairs, geo, cache_scale=not low_memory)
         evaluate = functional_loss(
@@ -254,7 +269,7 @@ def sharpness(
                 loss0 = evaluate(theta, batch)
             loss0 = _checked_loss(loss0, "unperturbed")
 
-            trace, per_start = None, []
+            trace, per_start, broken = None, [], []
             if worst:
                 objective = _LossGrad(evaluate, layout, batch, autocast)
                 best = -math.inf
@@ -275,30 +290,39 @@ def sharpness(
                     per_start.append(float(value) - loss0)
                     if float(value) > best:
                         best, trace = float(value), run
-                    if not all(math.isfinite(v) for v in run.losses):
-                        warnings.warn(
-                            f"non-finite perturbed loss during Auto-PGD ({geo.name}, "
-                            f"rho={rho:g}): rho is probably too large",
-                            stacklevel=2,
-                        )
+                    step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), None)
+                    if step is not None:
+                        where = f"batch {index}" + (f", start {start}" if n_starts > 1 else "")
+                        broken.append(f"{where}, Auto-PGD step {step}: loss {run.losses[step]}")
+                        per_start[-1] = math.inf
                 del objective
-                value = best - loss0
+                value = math.inf if broken else best - loss0
             else:
-                total = 0.0
+                summed = 0.0
                 point = space.empty()
                 with torch.no_grad(), autocast():
-                    for _ in range(estimator.n_samples):
+                    for sample in range(estimator.n_samples):
                         xi = _scale_to(space, space.random(generator), rho)
                         space.retr_(xi, point)
-                        total += float(evaluate(layout.unflatten(point), batch))
+                        loss = float(evaluate(layout.unflatten(point), batch))
+                        if not math.isfinite(loss):
+                            broken.append(f"batch {index}, direction {sample}: loss {loss}")
+                        summed += loss
                 del point
-                value = total / estimator.n_samples - loss0
-            records.append((index, value, loss0, trace, per_start))
+                value = summed / estimator.n_samples - loss0
+                if not math.isfinite(value):
+                    value = math.inf
+            records.append((index, value, loss0, trace, per_start, broken))
+            if broken and nonfinite == "error" and not distributed:
+                _nonfinite_error(label, rho, broken)
 
     if distributed:
         from ..distributed import gather_in_order
 
         records = gather_in_order(records)
+    broken = [where for r in records for where in r[5]]
+    if broken and nonfinite == "error":
+        _nonfinite_error(label, rho, broken)
     values = [r[1] for r in records]
     losses = [r[2] for r in records]
     traces = [r[3] for r in records if r[3] is not None]
@@ -317,6 +341,15 @@ def sharpness(
         traces=traces,
         per_batch_starts=per_batch_starts,
         symmetry=report,
+        nonfinite=broken,
+    )
+
+
+def _nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
+    raise FloatingPointError(
+        f"{label} at rho={rho:g}: a perturbed loss is not finite ({broken[0]}): the radius "
+        "reaches where the model breaks down and the value is no finite number; lower rho, "
+        "or report it as inf (nonfinite='inf')"
     )
 
 

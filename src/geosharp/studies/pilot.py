@@ -67,7 +67,8 @@ def radius_pilot(
 
 def _with_symmetries(model, batches, loss_fn, kwargs: dict) -> dict:
     """``kwargs`` with the model's symmetries, found once on the first batch, for the
-    several measurements that follow."""
+    several measurements that follow, and ``nonfinite="inf"`` unless it says otherwise."""
+    kwargs = {"nonfinite": "inf", **kwargs}  # a broken radius is a ratio of inf, not a stop
     if "symmetries" in kwargs:
         return kwargs
     from ..symmetry import find_symmetries

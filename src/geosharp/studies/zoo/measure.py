@@ -213,10 +213,13 @@ def measure_grid(
     A key is a measure's name (worst case, ``n_iters`` Auto-PGD steps),
     ``"<name>/average"`` (its average case, :class:`~geosharp.AverageCase`), or a
     Hessian trace of :data:`~geosharp.measures.HESSIAN_TRACES` (``trace_probes``
-    probes; its one "radius" is 0, and it keeps ``stderr`` and ``per_probe``)."""
+    probes; its one "radius" is 0, and it keeps ``stderr`` and ``per_probe``). A radius
+    where a perturbed loss is not finite is recorded as ``inf`` (the endpoints leave
+    such a model out, saying why), not an error that stops the study."""
     from ...measures import HESSIAN_TRACES, AverageCase, WorstCase, hessian_trace, sharpness
     from ...symmetry import find_symmetries
 
+    sharpness_kwargs.setdefault("nonfinite", "inf")
     if "symmetries" not in sharpness_kwargs:  # found once for every measure of the grid
         sharpness_kwargs["symmetries"] = find_symmetries(
             model, batches[0], loss_fn=loss_fn, warn=False
