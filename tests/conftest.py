@@ -22,7 +22,7 @@ def bert_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bert")
     vocab = path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]))
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    tokenizer = BertTokenizerFast(vocab=str(vocab))
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=len(WORDS) + 5,

@@ -138,6 +138,7 @@ def _bad_inputs(bert, vit, csv, tmp):
     torch.save(torch.zeros(3), tmp / "tensor.pt")
     (tmp / "labels.csv").write_text("text,label\ngood film,0\nbad film,7\n")
     (tmp / "data.xyz").write_text("x")
+    (tmp / "named.csv").write_text("text,label\ngood film,positive\n")
     (tmp / "empty_text.csv").write_text("text,label\ngood film,0\n  ,1\n")
     (tmp / "short_row.csv").write_text("text,label\ngood film,0\nbad film\n")
     (tmp / "null.jsonl").write_text('{"text": "good", "label": 0}\n{"text": null, "label": 1}\n')
@@ -147,7 +148,68 @@ def _bad_inputs(bert, vit, csv, tmp):
     torch.save({"pixel_values": pixels, "labels": torch.zeros(4)}, tmp / "float.pt")
     torch.save({"pixel_values": pixels, "labels": [0, 1, 2, 3]}, tmp / "list.pt")
     m = ["measure", str(bert), "--data", str(csv)]
+    small_vocab = _bert(tmp / "small_vocab", vocab_size=8)
+    regression = _bert(tmp / "regression", num_labels=1)
+    multi = _bert(tmp / "multi", num_labels=2, problem_type="multi_label_classification")
+    no_pad = _gpt2(tmp / "gpt2")
+    torch.save({"pixels": pixels, "labels": torch.zeros(4, dtype=torch.long)}, tmp / "key.pt")
+    ids = {"input_ids": torch.zeros(4, 5), "labels": torch.zeros(4, dtype=torch.long)}
+    torch.save(ids, tmp / "float_ids.pt")
+    broken = {}
+    for name in ("bad_config", "no_weights", "cut_weights"):
+        broken[name] = tmp / name
+        shutil.copytree(bert, broken[name])
+    (broken["bad_config"] / "config.json").write_text('{"model_type": "bert", ')
+    (broken["no_weights"] / "model.safetensors").unlink()
+    weights = broken["cut_weights"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    (tmp / "imgs" / "0").mkdir(parents=True)
+    (tmp / "imgs" / "0" / "a.png").write_bytes(b"not a png")
     return {
+        "corrupt config.json": (
+            ["measure", str(broken["bad_config"]), "--data", str(csv)],
+            "config.json: cannot be read",
+        ),
+        "no weights": (
+            ["measure", str(broken["no_weights"]), "--data", str(csv)],
+            "has no weights",
+        ),
+        "truncated weights": (
+            ["measure", str(broken["cut_weights"]), "--data", str(csv)],
+            "truncated",
+        ),
+        "corrupt image": (
+            ["measure", str(vit), "--data", str(tmp / "imgs")],
+            "a.png: not a readable image",
+        ),
+        "seed 2**70": ([*m, "--seed", str(2**70)], "--seed"),
+        "rho half a pair": ([*m, "--rho", "adaptive=0.05,geodesic-mix"], "could not read --rho"),
+        "max-length 1": ([*m, "--max-length", "1"], "leaves no room"),
+        "tokenizer larger than the vocabulary": (
+            ["measure", str(small_vocab), "--data", str(csv)],
+            "the model's vocabulary has 8",
+        ),
+        "gpt-2 without pad_token_id": (
+            ["measure", str(no_pad), "--data", str(csv)],
+            "pad_token_id",
+        ),
+        "regression head on class names": (
+            ["measure", str(regression), "--data", str(tmp / "named.csv")],
+            "not a number",
+        ),
+        "regression head on built-in classes": (
+            ["measure", str(regression), "--data", "rotten-tomatoes"],
+            "regression head",
+        ),
+        "multi-label head on a csv": (["measure", str(multi), "--data", str(csv)], "multi-label"),
+        "pt key the model does not take": (
+            ["measure", str(vit), "--data", str(tmp / "key.pt")],
+            "takes no input 'pixels'",
+        ),
+        "pt inputs of the wrong dtype": (
+            ["measure", str(bert), "--data", str(tmp / "float_ids.pt")],
+            "cannot run on it",
+        ),
         "missing checkpoint": (["measure", str(tmp / "nope"), "--data", str(csv)], "not found"),
         "missing csv": (["measure", str(bert), "--data", str(tmp / "nope.csv")], "no such"),
         "rho 0": ([*m, "--rho", "0"], "--rho"),
@@ -218,7 +280,9 @@ def _bad_inputs(bert, vit, csv, tmp):
 
 
 def test_every_bad_input_is_one_line_and_exit_2(bert_dir, vit_dir, text_csv, tmp_path, capsys):
-    for name, (argv, expected) in _bad_inputs(bert_dir, vit_dir, text_csv, tmp_path).items():
+    cases = _bad_inputs(bert_dir, vit_dir, text_csv, tmp_path)
+    capsys.readouterr()  # what building the checkpoints printed
+    for name, (argv, expected) in cases.items():
         line = _one_line_error(capsys, main(argv))
         assert expected in line, (name, line)
 
@@ -417,17 +481,187 @@ def test_text_data_formats_agree(bert_dir, text_csv, tmp_path, capsys):
     assert "--split" in line
 
 
-def test_image_folder(vit_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def trained_vit(tmp_path_factory):
+    """A tiny ViT trained on an image folder as its owner made it: classes numbered by
+    its own label2id (not the folders' sorted order), pixels through its own image
+    processor (8x8, mean 0.3, std 0.2). Returns the checkpoint, the folder and the
+    training loss."""
+    from PIL import Image
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    root = tmp_path_factory.mktemp("trained_vit")
+    names = ["zebra", "apple", "mango"]  # ids 0, 1, 2; sorted order would be 1, 2, 0
+    gen = np.random.default_rng(0)
+    images, labels = [], []
+    for label, name in enumerate(names):
+        (root / "imgs" / name).mkdir(parents=True)
+        for i in range(8):
+            x = gen.random((12, 12)) * 60
+            x[[slice(0, 6), slice(6, 12), slice(3, 9)][label]] += 180  # a band per class
+            image = Image.fromarray(x.astype(np.uint8))
+            image.save(root / "imgs" / name / f"{i}.png")
+            images.append(image)
+            labels.append(label)
+    processor = ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.3], image_std=[0.2])
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
+                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                       id2label=dict(enumerate(names)),
+                       label2id={n: i for i, n in enumerate(names)})  # fmt: skip
+    torch.manual_seed(0)
+    model = ViTForImageClassification(config)
+    x = processor(images=images, return_tensors="pt")["pixel_values"]
+    y = torch.tensor(labels)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y))
+    model.save_pretrained(root / "ckpt")
+    processor.save_pretrained(root / "ckpt")
+    return root / "ckpt", root / "imgs", loss
+
+
+def test_image_folder_is_measured_as_the_model_was_trained(trained_vit, tmp_path, capsys):
+    """Labels through label2id, pixels through the checkpoint's image processor: the
+    unperturbed loss is the training loss (within 1%; sorted folders or (x - 0.5) / 0.5
+    give another problem's loss); folders that are not label names are an error."""
+    import shutil
+
+    ckpt, imgs, train_loss = trained_vit
+    assert train_loss < 0.05
+    argv = ["measure", str(ckpt), "--data", str(imgs), "--n-points", "24", "--batch-size", "12",
+            "--n-iters", "2", "--measures", "geodesic-inv", "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)
+    assert payload["fit"]["loss"] == pytest.approx(train_loss, rel=0.01)
+    assert payload["fit"]["accuracy"] == 1.0
+    assert payload["results"][0]["loss"] == pytest.approx(train_loss, rel=0.01)
+    assert "apple=1, mango=2, zebra=0" in captured.err and "ViTImageProcessor" in captured.err
+    shutil.copytree(imgs, tmp_path / "imgs")
+    (tmp_path / "imgs" / "zebra").rename(tmp_path / "imgs" / "horse")
+    argv[3] = str(tmp_path / "imgs")
+    line = _one_line_error(capsys, main(argv))
+    assert "['horse']" in line and "'zebra'" in line
+
+
+def test_image_folder_without_processor_or_names(vit_dir, tmp_path, capsys):
+    """A checkpoint without label names takes folders named by index, or as many folders
+    as classes in sorted order, and says so; without preprocessor_config.json the ViT
+    default scaling is used and said."""
     from PIL import Image
 
     gen = np.random.default_rng(0)
     for c in range(3):
-        (tmp_path / "imgs" / f"class{c}").mkdir(parents=True)
+        (tmp_path / "imgs" / str(c)).mkdir(parents=True)
         for i in range(3):
             pixels = (gen.random((12, 12)) * 255).astype(np.uint8)
-            Image.fromarray(pixels).save(tmp_path / "imgs" / f"class{c}" / f"{i}.png")
+            Image.fromarray(pixels).save(tmp_path / "imgs" / str(c) / f"{i}.png")
     value = _measure_value(capsys, ["measure", str(vit_dir), "--data", str(tmp_path / "imgs")])
     assert math.isfinite(value) and value > 0
+    (tmp_path / "imgs" / "2").rename(tmp_path / "imgs" / "cat")
+    line = _one_line_error(
+        capsys, main(["measure", str(vit_dir), "--data", str(tmp_path / "imgs"), *SMALL])
+    )
+    assert "3 class folders for a model of 10 unnamed classes" in line
+
+
+def _bert(path, tokenizer_words=None, **overrides):
+    """A tiny BERT classifier saved to ``path`` with a word-level tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    from conftest import WORDS
+
+    path.mkdir(parents=True, exist_ok=True)
+    words = tokenizer_words or WORDS
+    (path / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])
+    )
+    config = dict(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, intermediate_size=32,
+                  max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(**{**config, **overrides})).save_pretrained(path)
+    BertTokenizerFast(vocab=str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+def _gpt2(path, **overrides):
+    """A tiny GPT-2 classifier with a byte-level tokenizer that has no pad token."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2TokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    config = GPT2Config(vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                        num_labels=2, bos_token_id=256, eos_token_id=256,
+                        **overrides)  # fmt: skip
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(config).save_pretrained(path)
+    GPT2TokenizerFast(vocab=vocab, merges=[]).save_pretrained(path)
+    return path
+
+
+def test_text_limits_and_pad_token(text_csv, tmp_path, capsys):
+    """--max-length is capped at the model's positions, with the number of texts cut;
+    a GPT-2 whose config has pad_token_id pads with it (without one: an error, in the
+    bad-input table)."""
+    long = tmp_path / "long.csv"
+    long.write_text(
+        "text,label\n" + "".join(f"{'the film was good ' * (i + 1)},{i % 2}\n" for i in range(6))
+    )
+    short = _bert(tmp_path / "short", max_position_embeddings=10)
+    assert main(["measure", str(short), "--data", str(long), *SMALL]) == 0
+    err = capsys.readouterr().err
+    assert "above the model's positions (10): texts cut at 10" in err
+    assert "4 of 6 texts are longer than 10 tokens" in err
+    gpt2 = _gpt2(tmp_path / "gpt2", pad_token_id=256)
+    assert main(["measure", str(gpt2), "--data", str(text_csv), *SMALL]) == 0
+
+
+def test_regression_and_multi_label_heads_get_their_own_loss(tmp_path, capsys):
+    """num_labels=1: mean squared error on number targets (not a cross-entropy of 0);
+    problem_type multi-label: binary cross-entropy on 0/1 rows of a .pt file."""
+    from transformers import AutoModelForSequenceClassification
+
+    data = tmp_path / "scores.csv"
+    data.write_text("text,score\n" + "".join(f"the film was good,{i / 4}\n" for i in range(8)))
+    reg = _bert(tmp_path / "reg", num_labels=1)
+    argv = ["measure", str(reg), "--data", str(data), "--label-column", "score", *SMALL]
+    assert main([*argv, "--json", "-"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    model = AutoModelForSequenceClassification.from_pretrained(reg).eval()
+    enc = {k: v[:1] for k, v in payload_inputs(reg, ["the film was good"]).items()}
+    with torch.no_grad():
+        out = float(model(**enc).logits)
+    targets = torch.arange(8) / 4
+    assert payload["fit"]["loss"] == pytest.approx(float(((out - targets) ** 2).mean()), rel=1e-5)
+    assert payload["fit"]["accuracy"] is None and payload["results"][0]["value"] > 0
+
+    multi = _bert(tmp_path / "multi", num_labels=3, problem_type="multi_label_classification")
+    enc = payload_inputs(multi, ["the film was good", "bad plot", "fun", "dull actor"])
+    targets = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.float32)
+    torch.save({**enc, "labels": targets}, tmp_path / "multi.pt")
+    assert (
+        main(["measure", str(multi), "--data", str(tmp_path / "multi.pt"), *SMALL, "--json", "-"])
+        == 0
+    )
+    payload = json.loads(capsys.readouterr().out)
+    model = AutoModelForSequenceClassification.from_pretrained(multi).eval()
+    with torch.no_grad():
+        logits = model(**enc).logits
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets)
+    assert payload["fit"]["loss"] == pytest.approx(float(bce), rel=1e-5)
+
+
+def payload_inputs(checkpoint, texts):
+    from transformers import AutoTokenizer
+
+    return dict(AutoTokenizer.from_pretrained(checkpoint)(texts, padding=True, return_tensors="pt"))
 
 
 # --------------------------------------------------------------------------- one command tree

@@ -150,7 +150,12 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
     table = {n: DEFAULT_RHO[n] for n in names if n in DEFAULT_RHO}  # traces have no radius
     if not spec.strip():
         return table
-    items = [("*", spec)] if "=" not in spec else [item.split("=", 1) for item in spec.split(",")]
+    if "=" not in spec:
+        items = [("*", spec)]
+    else:
+        items = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+        if any(len(item) != 2 for item in items):
+            raise UsageError(f"could not read --rho {spec!r}: use 0.05 or name=0.05,...")
     for key, text in items:
         key = key.strip()
         if key != "*" and key not in table:
@@ -198,23 +203,19 @@ def data_kind(source: str) -> str:
     )
 
 
-def load_batches(args, path: Path, config) -> list[dict]:
-    """The measurement batches of ``--data`` for the model in ``path``; labels checked
-    against the model's classes."""
+def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
+    """The measurement batches of ``--data`` for the model in ``path``, loaded as the
+    checkpoint's owner made them (:mod:`geosharp.hfdata`), and the lines that say how
+    (label mapping, pixels, texts cut)."""
     from . import data as datasets
-    from .hf import (
-        check_label_range,
-        image_batches_for,
-        is_vision,
-        label_ids,
-        load_tokenizer,
-        text_batches_for,
-    )
+    from . import hfdata
+    from .hf import check_label_range, is_vision, label_ids, load_tokenizer
 
     source, n = args.data, args.n_points
     kind = data_kind(source)
     vision = is_vision(config)
     classes = int(getattr(config, "num_labels", 0) or 0)
+    task = hfdata.task_of(config)
     is_image_source = source in BUILTIN_IMAGES or kind == "images"
     is_text_source = source == "rotten-tomatoes" or kind in ("table", "datasets")
     if vision and is_text_source:
@@ -223,38 +224,117 @@ def load_batches(args, path: Path, config) -> list[dict]:
         raise UsageError(f"--data {source} is image data but {args.model} is a text model")
 
     if kind == "pt":
-        return _tensor_batches(source, n, args.batch_size, classes)
+        return _tensor_batches(source, n, args.batch_size, classes, task), []
+    if task != hfdata.TASKS[0] and (is_image_source or source == "rotten-tomatoes"):
+        raise UsageError(
+            f"{args.model} is a {task.replace('_', '-')} head (config.json problem_type / "
+            f"num_labels) and --data {source} holds class labels: give data with its targets"
+        )
+    if task == hfdata.TASKS[2]:
+        raise UsageError(
+            f"{args.model} is a multi-label head: give --data as a .pt file whose 'labels' "
+            f"tensor holds one row of {classes} 0/1 targets per data point"
+        )
     if is_image_source:
-        if kind == "images":
-            images, _ = datasets.load_image_folder(
-                source, config.image_size, config.num_channels, limit=n, seed=args.seed
-            )
-        else:
-            images = (
-                datasets.load_digits()
-                if source == "digits"
-                else datasets.load_fashion_mnist("train")
-            )
-        x, y = images.images[:n], images.labels[:n]
-        check_label_range(y, classes)
-        return list(image_batches_for(config, x, y, args.batch_size))
+        return _image_batches(args, path, config, classes)
 
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    notes = []
     if source == "rotten-tomatoes":
         text = datasets.load_rotten_tomatoes()
         order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
         texts = [text.texts[i] for i in order[:n]]
         labels = text.labels[order[:n]]
         check_label_range(labels, classes)
+        notes.append("labels: 0 = rotten, 1 = fresh (the data's class indices)")
     else:
         rows = datasets.read_texts(
             source, args.text_column, args.label_column, split=args.split, limit=n
         )
-        texts, labels = rows.texts, label_ids(rows.labels, config, classes)
-    return list(text_batches_for(tokenizer, texts, labels, args.batch_size, args.max_length))
+        texts = rows.texts
+        if task == hfdata.TASKS[1]:
+            labels = hfdata.regression_targets(rows.labels)
+            notes.append("targets: numbers (regression head, mean squared error)")
+        else:
+            labels = label_ids(rows.labels, config, classes)
+            notes.append(_label_note(rows.labels, labels))
+    batches, more = hfdata.tokenized_batches(
+        tokenizer, config, texts, labels, args.batch_size, args.max_length
+    )
+    return batches, [*notes, *more]
 
 
-def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[dict]:
+def _label_note(raw: list, ids: torch.Tensor) -> str:
+    """How the labels of a text file became class ids."""
+    named = {}
+    for label, i in zip(raw, ids.tolist(), strict=True):
+        if not (isinstance(label, int) or str(label).strip().lstrip("-").isdigit()):
+            named.setdefault(str(label).strip(), i)
+    if not named:
+        return "labels: class indices as given"
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(named.items(), key=lambda kv: kv[1])[:8])
+    return f"labels: {shown} (names matched to the checkpoint label2id)"
+
+
+def _image_batches(args, path: Path, config, classes: int) -> tuple[list[dict], list[str]]:
+    """Batches of an image folder or built-in image set, through the checkpoint's image
+    processor where it has one."""
+    from . import data as datasets
+    from . import hfdata
+    from .hf import check_label_range, image_batches_for
+
+    source, n = args.data, args.n_points
+    processor = hfdata.load_image_processor(path)
+    notes = []
+    if args.data in BUILTIN_IMAGES:
+        images = (
+            datasets.load_digits() if source == "digits" else datasets.load_fashion_mnist("train")
+        )
+        x, y = images.images[:n], images.labels[:n]
+        check_label_range(y, classes)
+        notes.append(f"labels: the data's class indices 0 to {images.classes - 1}")
+        if processor is None:
+            notes.append(
+                f"pixels: resized to {config.image_size}x{config.image_size}, (x - 0.5) / 0.5 "
+                "(the checkpoint has no preprocessor_config.json)"
+            )
+            return list(image_batches_for(config, x, y, args.batch_size)), notes
+        pil = _as_pil(x, datasets.image_mode(config.num_channels))
+    else:
+        items, folders = datasets.image_folder_items(source, n, args.seed)
+        if not items:
+            raise UsageError(
+                f"{source} has no images in class sub-directories (root/<class>/<image>)"
+            )
+        ids, how = hfdata.folder_label_ids(folders, config)
+        notes.append(how)
+        y = torch.tensor([ids[c] for _, c in items], dtype=torch.long)
+        pil = datasets.read_images([f for f, _ in items], datasets.image_mode(config.num_channels))
+    pixels, how = hfdata.pixel_values(pil, config, processor)
+    notes.append(how)
+    batches = [
+        {"pixel_values": pixels[s : s + args.batch_size], "labels": y[s : s + args.batch_size]}
+        for s in range(0, len(y), args.batch_size)
+    ]
+    return batches, notes
+
+
+def _as_pil(images: torch.Tensor, mode: str) -> list:
+    """``(N, C, H, W)`` images in [0, 1] as 8-bit PIL images in ``mode`` (what an image
+    processor reads, rescaling included)."""
+    from PIL import Image
+
+    array = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    out = []
+    for a in array:
+        image = Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a)
+        out.append(image.convert(mode))
+    return out
+
+
+def _tensor_batches(source: str, n: int, batch_size: int, classes: int, task: str) -> list[dict]:
+    """Batches of a ``.pt`` dict of tensors, one row per data point in each; ``labels``
+    fit the task: class indices, regression targets, or rows of 0/1 targets."""
     from .hf import check_label_range
 
     try:
@@ -281,12 +361,27 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[
             f"--data {source}: the tensors hold different numbers of data points "
             f"({', '.join(f'{k} {m}' for k, m in lengths.items())}); give each one row per point"
         )
-    if labels.is_floating_point() or labels.is_complex() or labels.dim() != 1:
-        raise UsageError(
-            f"--data {source}: 'labels' must be a 1-d tensor of class indices (integers), "
-            f"got {str(labels.dtype).removeprefix('torch.')} of shape {tuple(labels.shape)}"
-        )
-    check_label_range(labels, classes)
+    got = f"got {str(labels.dtype).removeprefix('torch.')} of shape {tuple(labels.shape)}"
+    if labels.is_complex() or (labels.dtype == torch.bool and task != "multi_label_classification"):
+        raise UsageError(f"--data {source}: 'labels' are not numbers ({got})")
+    if task == "regression":
+        if labels.dim() not in (1, 2) or (labels.dim() == 2 and labels.shape[1] != classes):
+            raise UsageError(
+                f"--data {source}: 'labels' of a regression head with {classes} output(s) must "
+                f"be (N,) or (N, {classes}) numbers, {got}"
+            )
+    elif task == "multi_label_classification":
+        if labels.dim() != 2 or labels.shape[1] != classes:
+            raise UsageError(
+                f"--data {source}: 'labels' of a multi-label head must be (N, {classes}) "
+                f"0/1 targets, {got}"
+            )
+    else:
+        if labels.is_floating_point() or labels.dim() != 1:
+            raise UsageError(
+                f"--data {source}: 'labels' must be a 1-d tensor of class indices (integers), {got}"
+            )
+        check_label_range(labels, classes)
     n = min(n, len(labels))
     return [
         {k: v[s : min(s + batch_size, n)] for k, v in tensors.items()}
@@ -297,7 +392,8 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int) -> list[
 def run_measure(args) -> int:
     from . import distributed as gd
     from .data import move_batch
-    from .hf import classification_loss, load_classifier, load_config, resolve_checkpoint
+    from .hf import check_weights, load_classifier, load_config, resolve_checkpoint
+    from .hfdata import preflight, task_loss
     from .io import dumps, write_json_atomic
     from .measures import HESSIAN_TRACES, hessian_trace, sharpness
     from .symmetry import find_symmetries
@@ -318,7 +414,8 @@ def run_measure(args) -> int:
         inputs["--tokenizer"] = args.tokenizer
     check_output_path(args.json, protected=inputs, force=args.force)
     config = load_config(path)
-    batches = load_batches(args, path, config)
+    check_weights(path)
+    batches, loading = load_batches(args, path, config)
     if not batches:
         raise UsageError(f"--data {args.data} holds no data points")
 
@@ -333,10 +430,13 @@ def run_measure(args) -> int:
             "the values describe that random head"
         )
     batches = [move_batch(b, device) for b in batches]
-    symmetries = find_symmetries(model, batches[0], loss_fn=classification_loss, warn=False)
+    fit = preflight(model, batches, args.data)  # every input runs, before anything slow
+    symmetries = find_symmetries(model, batches[0], loss_fn=task_loss, warn=False)
     geodesic = [n for n in names if measure_uses_pairs(n)]
     if args.strict and geodesic and symmetries.ignored:
         _say_symmetry_status(symmetries, geodesic, True, say)  # raises, before anything
+    for line in [*loading, str(fit)]:
+        say(line)
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
     checked = sum(1 for p in symmetries.pairs if p.name in symmetries.verified)
     unknown = [u for u in symmetries.unrecognized if u not in symmetries.attention]
@@ -360,7 +460,7 @@ def run_measure(args) -> int:
                 trace = hessian_trace(
                     model,
                     batches,
-                    classification_loss,
+                    task_loss,
                     HESSIAN_TRACES[name],
                     n_probes=args.n_probes,
                     seed=args.seed,
@@ -375,7 +475,7 @@ def run_measure(args) -> int:
                 result = sharpness(
                     model,
                     batches,
-                    classification_loss,
+                    task_loss,
                     rho=rhos[name],
                     kind=args.kind,
                     n_iters=args.n_iters,
@@ -423,6 +523,8 @@ def run_measure(args) -> int:
             "data": args.data,
             "seed": args.seed,
             "new_parameters": loaded.new_parameters,
+            "loading": loading,
+            "fit": {"loss": fit.loss, "accuracy": fit.accuracy, "points": fit.n},
             "symmetries": symmetry_payload(symmetries),
             "results": results,
         }

@@ -27,6 +27,7 @@ __all__ = [
     "LabelledTexts",
     "TextData",
     "image_folder_items",
+    "image_mode",
     "is_datasets_dir",
     "is_image_folder",
     "load_digits",
@@ -34,7 +35,9 @@ __all__ = [
     "load_image_folder",
     "load_rotten_tomatoes",
     "move_batch",
+    "read_images",
     "read_texts",
+    "to_unit_tensor",
 ]
 
 FASHION_MNIST_DIRS = (Path("/usr/share/datasets/fashion-mnist"),)
@@ -289,28 +292,56 @@ def image_folder_items(
     return items, classes
 
 
+def read_images(files: list[Path], mode: str) -> list:
+    """The images in ``files`` as PIL images in ``mode`` (``"L"``, ``"RGB"``); an
+    error naming the first file that is not a readable image."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for f in files:
+        try:
+            with Image.open(f) as image:
+                images.append(image.convert(mode))
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UsageError(f"{f}: not a readable image ({why}); remove or replace it") from None
+    return images
+
+
+def image_mode(channels: int) -> str:
+    """The PIL mode of images for a model with ``channels`` input channels."""
+    mode = {1: "L", 3: "RGB"}.get(channels)
+    if mode is None:
+        raise UsageError(f"image folders need a model with 1 or 3 input channels, not {channels}")
+    return mode
+
+
 def load_image_folder(
     root: str | Path, size: int, channels: int, limit: int | None = None, seed: int = 0
 ) -> tuple[ImageData, list[str]]:
     """Images from ``root/<class>/<image>`` (classes in sorted order), resized to
     ``size x size`` with ``channels`` channels, in [0, 1]; and the class names. With
     ``limit``, a seeded random subset of that many images."""
-    from PIL import Image
 
     items, classes = image_folder_items(root, limit, seed)
     if not items:
         raise UsageError(f"{root} has no images in class sub-directories (root/<class>/<image>)")
-    mode = {1: "L", 3: "RGB"}.get(channels)
-    if mode is None:
-        raise UsageError(f"image folders need a model with 1 or 3 input channels, not {channels}")
-    pixels = []
-    for f, _ in items:
-        with Image.open(f) as image:
-            image = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
-            array = np.asarray(image, dtype=np.float32).reshape(size, size, channels)
-        pixels.append(torch.from_numpy(array.copy()).permute(2, 0, 1) / 255.0)
+    images = read_images([f for f, _ in items], image_mode(channels))
     labels = torch.tensor([c for _, c in items], dtype=torch.long)
-    return ImageData(torch.stack(pixels), labels, len(classes)), classes
+    return ImageData(to_unit_tensor(images, size), labels, len(classes)), classes
+
+
+def to_unit_tensor(images: list, size: int) -> Tensor:
+    """PIL images, resized (bilinear) to ``size x size``, as ``(N, C, size, size)`` in
+    [0, 1]."""
+    from PIL import Image
+
+    pixels = []
+    for image in images:
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+        array = np.asarray(image, dtype=np.float32).reshape(size, size, -1)
+        pixels.append(torch.from_numpy(array.copy()).permute(2, 0, 1) / 255.0)
+    return torch.stack(pixels)
 
 
 def move_batch(batch, device: torch.device | str | None):

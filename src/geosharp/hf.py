@@ -22,6 +22,7 @@ from .errors import MissingInputError, UsageError
 __all__ = [
     "LoadedClassifier",
     "check_label_range",
+    "check_weights",
     "classification_loss",
     "example_inputs",
     "has_tokenizer",
@@ -99,11 +100,59 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def load_config(path: str | Path):
-    """The ``AutoConfig`` of a checkpoint directory (quietly, nothing downloaded)."""
+    """The ``AutoConfig`` of a checkpoint directory (quietly, nothing downloaded); a
+    ``config.json`` that transformers cannot read is a one-line error."""
     from transformers import AutoConfig
 
-    with quiet_transformers():
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(
+            f"{Path(path) / 'config.json'}: cannot be read ({_first_line(err)})"
+        ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def check_weights(path: str | Path) -> None:
+    """An error, before anything slow, when a checkpoint directory has no weights file
+    or a safetensors file shorter than its header says (an interrupted copy)."""
+    import json
+    import struct
+
+    path = Path(path)
+    files = [f for f in path.iterdir() if f.name.endswith((".safetensors", ".bin"))]
+    if not files and not any((path / f"{w}.index.json").exists() for w in WEIGHT_FILES):
+        raise MissingInputError(
+            f"{path} has no weights ({', '.join(WEIGHT_FILES)}): copy them from where the "
+            "model was saved"
+        )
+    for f in files:
+        if f.suffix != ".safetensors":
+            continue
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as stream:
+                (length,) = struct.unpack("<Q", stream.read(8))
+                header = json.loads(stream.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError):
+            header = None
+        ends = [
+            v["data_offsets"][1]
+            for k, v in (header or {}).items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+        ]
+        if header is None or 8 + length + max(ends, default=0) > size:
+            raise UsageError(
+                f"{f}: truncated or not a safetensors file ({size:,} bytes); copy it again"
+            )
 
 
 def is_vision(config) -> bool:
@@ -171,9 +220,12 @@ def load_classifier(
         kwargs = dict(num_labels=num_labels, ignore_mismatched_sizes=True)
     with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, info = auto.from_pretrained(
-            path, local_files_only=True, dtype=dtype, output_loading_info=True, **kwargs
-        )
+        try:
+            model, info = auto.from_pretrained(
+                path, local_files_only=True, dtype=dtype, output_loading_info=True, **kwargs
+            )
+        except (OSError, ValueError, RuntimeError, KeyError) as err:
+            raise UsageError(f"{path}: the weights cannot be loaded ({_first_line(err)})") from None
     # mismatched_keys: (name, shape in the checkpoint, shape in the model)
     new = sorted(
         set(info.get("missing_keys", ()))
@@ -194,8 +246,11 @@ def load_tokenizer(path: str | Path):
             f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): pass "
             "--tokenizer DIR with the tokenizer the model was trained with"
         )
-    with quiet_transformers():
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{path}: the tokenizer cannot be loaded ({_first_line(err)})") from None
 
 
 def check_label_range(labels: Tensor, num_labels: int) -> None:

@@ -29,9 +29,9 @@ __all__ = ["SharpnessMonitor"]
 
 
 def _hf_loss(model: nn.Module, batch):
-    from .hf import classification_loss
+    from .hfdata import task_loss
 
-    return classification_loss(model, batch)
+    return task_loss(model, batch)
 
 
 class SharpnessMonitor:
@@ -39,7 +39,7 @@ class SharpnessMonitor:
 
     Args:
         batches: the training batches to measure on (kept; use the same ones all along).
-        loss_fn: ``loss_fn(model, batch)``; default: cross-entropy of a Hugging Face
+        loss_fn: ``loss_fn(model, batch)``; default: the training loss of a Hugging Face
             classifier on dict batches with ``labels``.
         measures: names of :data:`geosharp.measures.MEASURES`.
         rho: one radius for all measures, or ``{name: rho}``; default ``DEFAULT_RHO``.

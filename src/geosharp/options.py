@@ -70,8 +70,19 @@ def at_least_one(text: str) -> float:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed torch accepts, 0 to 2**63 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**63 - 1, got {text}")
+    return value
+
+
 def add_seed(p: argparse.ArgumentParser, what: str = "random choices") -> None:
-    p.add_argument("--seed", type=int, default=0, help=f"seed of the {what} (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help=f"seed of the {what} (default: 0)")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
