@@ -171,6 +171,37 @@ def test_nonfinite_perturbed_loss(estimator, where):
         geosharp.sharpness(model, batches, _log_loss, nonfinite="nan", **kw)
 
 
+@pytest.mark.parametrize(
+    "estimator, per_batch",
+    [
+        (geosharp.WorstCase(n_iters=3), 4),
+        (geosharp.WorstCase(3, starts=2), 8),
+        (geosharp.AverageCase(5), 5),
+    ],
+)
+def test_progress_counts_every_forward_backward_with_time_left(
+    small, monkeypatch, estimator, per_batch
+):
+    """Progress per Auto-PGD step (per random direction), not per batch: a one-batch run
+    of minutes is not silent; the lines give the time left."""
+    import functools
+    import io
+    import sys
+
+    module = sys.modules["geosharp.measures.sharpness"]  # the function shadows the module
+
+    out = io.StringIO()
+    monkeypatch.setattr(
+        module, "Progress", functools.partial(module.Progress, every=0.0, stream=out)
+    )
+    geosharp.sharpness(small.model, small.batches, small.loss_fn, measure="adaptive", rho=0.05,
+                       estimator=estimator, progress=True)  # fmt: skip
+    total = len(small.batches) * per_batch
+    lines = out.getvalue().splitlines()
+    assert len(lines) == total and lines[-1].startswith(f"adaptive rho=0.05: {total}/{total} step")
+    assert all("s left" in line for line in lines)
+
+
 def test_non_scalar_loss(small):
     def vector_loss(model, batch):
         return F.cross_entropy(model(batch[0]), batch[1], reduction="none")

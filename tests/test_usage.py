@@ -664,6 +664,43 @@ def payload_inputs(checkpoint, texts):
     return dict(AutoTokenizer.from_pretrained(checkpoint)(texts, padding=True, return_tensors="pt"))
 
 
+def test_killed_run_resumes_without_measuring_again(bert_dir, text_csv, tmp_path, capsys):
+    """Each measure is written when it is done: a run killed (SIGKILL) during its second
+    measure leaves a valid file with the first; --resume keeps that one as it is and
+    measures the rest; other settings are refused before the model loads."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out.json"
+    argv = ["measure", str(bert_dir), "--data", str(text_csv), "--measures",
+            "adaptive,geodesic-inv", "--n-iters", "300", "--quiet", "--json", str(out)]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "geosharp.cli", *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(json.loads(out.read_text())["results"]) == 1:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    killed = json.loads(out.read_text())
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert killed["complete"] is False and [r["measure"] for r in killed["results"]] == ["adaptive"]
+
+    line = _one_line_error(capsys, main([*argv, "--resume", "--n-iters", "5"]))
+    assert "other settings: n_iters (300 there, 5 now)" in line
+    assert main([*argv, "--resume"]) == 0
+    assert "already measured" in capsys.readouterr().err
+    resumed = json.loads(out.read_text())
+    assert resumed["complete"] is True and resumed["results"][0] == killed["results"][0]
+    assert resumed["results"][1]["measure"] == "geodesic-inv"
+
+
 # --------------------------------------------------------------------------- one command tree
 
 

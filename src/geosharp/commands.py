@@ -97,6 +97,12 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "down): stop with an error (default), or report the value as inf with the reason "
         "(null in JSON)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the --json file of a run that was stopped: the measures it holds "
+        "are kept, the rest measured (its settings must be these)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress reports")
     p.add_argument(
         "--strict",
@@ -413,6 +419,8 @@ def run_measure(args) -> int:
     if args.tokenizer is not None:
         inputs["--tokenizer"] = args.tokenizer
     check_output_path(args.json, protected=inputs, force=args.force)
+    settings = run_settings(args, rhos)
+    previous = resumable(args, settings)
     config = load_config(path)
     check_weights(path)
     batches, loading = load_batches(args, path, config)
@@ -450,11 +458,33 @@ def run_measure(args) -> int:
     )
     _say_symmetry_status(symmetries, geodesic, args.strict, say)
 
+    header = {
+        "model": str(path),
+        "data": args.data,
+        "seed": args.seed,
+        "settings": settings,
+        "new_parameters": loaded.new_parameters,
+        "loading": loading,
+        "fit": {"loss": fit.loss, "accuracy": fit.accuracy, "points": fit.n},
+        "symmetries": symmetry_payload(symmetries),
+    }
+    done = {r["measure"]: r for r in previous.get("results", [])}
+    if done:
+        say(f"resuming {args.json}: {', '.join(done)} already measured")
     results = []
+
+    def save(complete: bool) -> None:  # after each measure: a kill loses at most one
+        if rank == 0 and args.json and args.json != "-":
+            payload = {**header, "complete": complete, "results": results}
+            write_json_atomic(args.json, payload, strict=True)
+
     # the lines above said what is not symmetry-correct: no Python warning repeats it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SymmetryWarning)
         for name in names:
+            if name in done:
+                results.append(done[name])
+                continue
             start = time.perf_counter()
             if name in HESSIAN_TRACES:  # no radius, no autocast; every process computes it
                 trace = hessian_trace(
@@ -470,6 +500,7 @@ def run_measure(args) -> int:
                 row = trace.to_dict()
                 row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
                 results.append(row)
+                save(False)
                 continue
             try:
                 result = sharpness(
@@ -498,12 +529,14 @@ def run_measure(args) -> int:
             row = result.to_dict()
             row.update(measure=name, seconds=time.perf_counter() - start)
             results.append(row)
+            save(False)
             if result.nonfinite:
                 say(
                     f"note: {name} is inf: a perturbed loss is not finite in "
                     f"{len(result.nonfinite)} place(s), first {result.nonfinite[0]}; "
                     "lower --rho for a finite value"
                 )
+    results += [r for n, r in done.items() if n not in names]  # kept, not measured again
     if rank != 0:
         return 0
 
@@ -511,28 +544,71 @@ def run_measure(args) -> int:
     print(f"{'measure':<28} {'rho':>8} {'value':>12} {'loss':>9} {'time':>7}", file=table)
     for r in results:
         rho = "-" if r["rho"] is None else f"{r['rho']:g}"
-        value = f"{r['value']:.5g}" + (f" +- {r['stderr']:.2g}" if "stderr" in r else "")
+        value = _number(r["value"], r) + (f" +- {r['stderr']:.2g}" if "stderr" in r else "")
         label = r["measure"] + symmetry_mark(r["measure"], symmetries)
         print(
             f"{label:<28} {rho:>8} {value:>12} {r['loss']:>9.4g} {r['seconds']:>6.1f}s",
             file=table,
         )
-    if args.json:
-        payload = {
-            "model": str(path),
-            "data": args.data,
-            "seed": args.seed,
-            "new_parameters": loaded.new_parameters,
-            "loading": loading,
-            "fit": {"loss": fit.loss, "accuracy": fit.accuracy, "points": fit.n},
-            "symmetries": symmetry_payload(symmetries),
-            "results": results,
-        }
-        if args.json == "-":
-            print(dumps(payload))
-        else:
-            write_json_atomic(args.json, payload, strict=True)
+    if args.json == "-":
+        print(dumps({**header, "complete": True, "results": results}))
+    else:
+        save(True)
     return 0
+
+
+def _number(value, row: dict) -> str:
+    """A value for the table; ``None`` is how a JSON file being resumed stores ``inf``."""
+    if value is None:
+        return "inf" if row.get("nonfinite") else "nan"
+    return f"{value:.5g}"
+
+
+def run_settings(args, rhos: dict[str, float]) -> dict:
+    """Everything of a ``geosharp measure`` run that changes a value: a results file is
+    resumed only by a run with the same settings."""
+    from . import __version__
+
+    keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
+            "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
+            "autocast", "nonfinite")  # fmt: skip
+    settings = {k: getattr(args, k) for k in keys}
+    settings.update(model=str(args.model), rho=rhos, version=__version__)
+    return settings
+
+
+def resumable(args, settings: dict) -> dict:
+    """The results file that ``--resume`` continues (``{}`` if there is none yet); an
+    error when it was made with other settings, or there is no file to resume."""
+    from .io import read_json_file
+
+    if not args.resume:
+        return {}
+    if not args.json or args.json == "-":
+        raise UsageError("--resume needs --json FILE: the results file to continue")
+    if not Path(args.json).exists():
+        return {}
+    previous = read_json_file(args.json, "--json")
+    was = previous.get("settings")
+    if not isinstance(was, dict) or not isinstance(previous.get("results"), list):
+        raise UsageError(f"--json {args.json} is not a geosharp measure results file")
+    changed = [
+        k for k in sorted(set(settings) | set(was)) if k != "rho" and was.get(k) != settings.get(k)
+    ]
+    changed += [
+        f"rho of {n}"
+        for n, r in settings["rho"].items()
+        if n in was.get("rho", {}) and was["rho"][n] != r
+    ]
+    if changed:
+        k = changed[0]
+        now, then = (settings.get(k), was.get(k)) if not k.startswith("rho") else ("", "")
+        detail = f" ({then!r} there, {now!r} now)" if now != then else ""
+        raise UsageError(
+            f"--json {args.json} was made with other settings: {', '.join(changed)}{detail}; "
+            "use another --json, or drop --resume to start again"
+        )
+    return previous
 
 
 def measure_uses_pairs(name: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["dumps", "write_json_atomic", "write_text_atomic"]
+__all__ = ["dumps", "read_json_file", "write_json_atomic", "write_text_atomic"]
 
 
 def _umask() -> int:
@@ -68,6 +68,17 @@ def dumps(obj: Any, **kwargs) -> str:
     """
     kwargs.setdefault("indent", 2)
     return json.dumps(_finite(obj), default=_jsonable, allow_nan=False, **kwargs)
+
+
+def read_json_file(path: str | os.PathLike, option: str) -> Any:
+    """The JSON in ``path`` (``null`` read as ``None``); a one-line error naming
+    ``option`` when it is not JSON."""
+    from .errors import UsageError
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{option} {path}: not readable as JSON ({err})") from None
 
 
 def _finite(x: Any) -> Any:

@@ -2,7 +2,8 @@
 
 On a terminal (``stream.isatty()``) a ``tqdm`` bar is shown and cleared when done. When
 the output goes to a file or a pipe (a log, a batch job), no control characters are
-written: a line ``desc: 3/10 batches, 41 s`` at most every ``every`` seconds.
+written: a line ``desc: 3/10 batches, 41 s, ~96 s left`` at most every ``every``
+seconds (the time left, when the total is known, assumes the pace so far).
 
 >>> import io
 >>> out = io.StringIO()
@@ -11,7 +12,7 @@ written: a line ``desc: 3/10 batches, 41 s`` at most every ``every`` seconds.
 ...                   clock=lambda: next(ticks)):
 ...     pass
 >>> print(out.getvalue(), end="")
-measure: 2/3 batch, 40 s
+measure: 2/3 batch, 40 s, ~20 s left
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ class Progress:
             self.last = now
             of = f"/{self.total}" if self.total is not None else ""
             prefix = f"{self.desc}: " if self.desc else ""
+            spent = now - self.start
+            left = ""
+            if self.total is not None and 0 < self.count <= self.total:
+                left = f", ~{spent * (self.total - self.count) / self.count:.0f} s left"
             print(
-                f"{prefix}{self.count}{of} {self.unit}, {now - self.start:.0f} s",
+                f"{prefix}{self.count}{of} {self.unit}, {spent:.0f} s{left}",
                 file=self.stream,
                 flush=True,
             )

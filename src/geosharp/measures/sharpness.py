@@ -156,7 +156,9 @@ def sharpness(
             query/key/value/output weights and biases), where the geometries differ.
             Pairs with a parameter outside this set are not used.
         max_batches: use at most this many batches.
-        progress: show a progress bar over batches.
+        progress: show progress per forward+backward (each Auto-PGD step; each random
+            direction), with the time left: a bar on a terminal, a line every 30 s in a
+            log.
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to run the model's
             forward and backward under :func:`torch.autocast` (unperturbed loss
             included); the perturbation, its geometry and the gradient stay in the
@@ -261,60 +263,74 @@ def sharpness(
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, named) if upcast else None
         )
-        for index, batch in _limited(batches, max_batches, progress and rank == 0, geo.name, total):
-            if index % world != rank:
-                continue
-            generator = torch.Generator(device=device).manual_seed(_batch_seed(seed, index))
-            with autocast():
-                loss0 = evaluate(theta, batch)
-            loss0 = _checked_loss(loss0, "unperturbed")
+        n_batches = total if max_batches is None or total is None else min(total, max_batches)
+        mine = None if n_batches is None else -(-n_batches // world)  # this rank's share
+        steps = Progress(
+            total=None if mine is None else mine * _evaluations(estimator),
+            desc=f"{geo.name} rho={rho:g}",
+            unit="step",
+            enabled=progress and rank == 0,
+        )
+        if steps.enabled:
+            callback = _counting(steps, callback)
+        with steps:  # the bar is cleared even when a batch raises
+            for index, batch in _limited(batches, max_batches, False, geo.name, total):
+                if index % world != rank:
+                    continue
+                generator = torch.Generator(device=device).manual_seed(_batch_seed(seed, index))
+                with autocast():
+                    loss0 = evaluate(theta, batch)
+                loss0 = _checked_loss(loss0, "unperturbed")
 
-            trace, per_start, broken = None, [], []
-            if worst:
-                objective = _LossGrad(evaluate, layout, batch, autocast)
-                best = -math.inf
-                n_starts, first_random = estimator.runs
-                for start in range(n_starts):
-                    xi0 = None
-                    if start > 0 or first_random:
-                        xi0 = _scale_to(space, space.random(generator), rho)
-                    value, _, run = auto_pgd(
-                        objective,
-                        space,
-                        rho,
-                        estimator.n_iters,
-                        xi0,
-                        callback=callback,
-                        low_memory=low_memory,
-                    )
-                    per_start.append(float(value) - loss0)
-                    if float(value) > best:
-                        best, trace = float(value), run
-                    step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), None)
-                    if step is not None:
-                        where = f"batch {index}" + (f", start {start}" if n_starts > 1 else "")
-                        broken.append(f"{where}, Auto-PGD step {step}: loss {run.losses[step]}")
-                        per_start[-1] = math.inf
-                del objective
-                value = math.inf if broken else best - loss0
-            else:
-                summed = 0.0
-                point = space.empty()
-                with torch.no_grad(), autocast():
-                    for sample in range(estimator.n_samples):
-                        xi = _scale_to(space, space.random(generator), rho)
-                        space.retr_(xi, point)
-                        loss = float(evaluate(layout.unflatten(point), batch))
-                        if not math.isfinite(loss):
-                            broken.append(f"batch {index}, direction {sample}: loss {loss}")
-                        summed += loss
-                del point
-                value = summed / estimator.n_samples - loss0
-                if not math.isfinite(value):
-                    value = math.inf
-            records.append((index, value, loss0, trace, per_start, broken))
-            if broken and nonfinite == "error" and not distributed:
-                _nonfinite_error(label, rho, broken)
+                trace, per_start, broken = None, [], []
+                if worst:
+                    objective = _LossGrad(evaluate, layout, batch, autocast)
+                    best = -math.inf
+                    n_starts, first_random = estimator.runs
+                    for start in range(n_starts):
+                        xi0 = None
+                        if start > 0 or first_random:
+                            xi0 = _scale_to(space, space.random(generator), rho)
+                        value, _, run = auto_pgd(
+                            objective,
+                            space,
+                            rho,
+                            estimator.n_iters,
+                            xi0,
+                            callback=callback,
+                            low_memory=low_memory,
+                        )
+                        per_start.append(float(value) - loss0)
+                        if float(value) > best:
+                            best, trace = float(value), run
+                        step = next(
+                            (i for i, v in enumerate(run.losses) if not math.isfinite(v)), None
+                        )
+                        if step is not None:
+                            where = f"batch {index}" + (f", start {start}" if n_starts > 1 else "")
+                            broken.append(f"{where}, Auto-PGD step {step}: loss {run.losses[step]}")
+                            per_start[-1] = math.inf
+                    del objective
+                    value = math.inf if broken else best - loss0
+                else:
+                    summed = 0.0
+                    point = space.empty()
+                    with torch.no_grad(), autocast():
+                        for sample in range(estimator.n_samples):
+                            xi = _scale_to(space, space.random(generator), rho)
+                            space.retr_(xi, point)
+                            loss = float(evaluate(layout.unflatten(point), batch))
+                            steps.update()
+                            if not math.isfinite(loss):
+                                broken.append(f"batch {index}, direction {sample}: loss {loss}")
+                            summed += loss
+                    del point
+                    value = summed / estimator.n_samples - loss0
+                    if not math.isfinite(value):
+                        value = math.inf
+                records.append((index, value, loss0, trace, per_start, broken))
+                if broken and nonfinite == "error" and not distributed:
+                    _nonfinite_error(label, rho, broken)
 
     if distributed:
         from ..distributed import gather_in_order
@@ -343,6 +359,26 @@ def sharpness(
         symmetry=report,
         nonfinite=broken,
     )
+
+
+def _evaluations(estimator) -> int:
+    """Forward(+backward) passes per batch: each Auto-PGD start takes ``n_iters + 1``."""
+    if estimator.kind == "worst":
+        return estimator.runs[0] * (estimator.n_iters + 1)
+    return estimator.n_samples
+
+
+def _counting(steps: Progress, callback):
+    """An Auto-PGD callback that counts each evaluation on ``steps``, then calls
+    ``callback`` (if any)."""
+
+    def count(event: str, i: int, iterate) -> None:
+        if event == "evaluated":
+            steps.update()
+        if callback is not None:
+            callback(event, i, iterate)
+
+    return count
 
 
 def _nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
