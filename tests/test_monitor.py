@@ -3,6 +3,7 @@ run with a real ``Trainer`` on a tiny BERT."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,93 @@ def test_trainer_callback_logs_with_the_trainer_s_metrics(tmp_path):
     again.train()
     history = [e for e in again.state.log_history if "sharpness/adaptive" in e]
     assert [e["step"] for e in history] == [4] and len(plain.history) == 1
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=2, max_position_embeddings=16,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def test_geodesic_sam_trains_inside_a_trainer(tmp_path):
+    """A real Trainer step with GeodesicSAMTrainer is GeodesicSAM's closure step with the
+    same AdamW (the Trainer calls optimizer.step() without a closure)."""
+    from transformers import TrainingArguments
+
+    from geosharp.callbacks import GeodesicSAMTrainer
+    from geosharp.optim import GeodesicSAM
+
+    model, train = _tiny_bert(), _Dataset(n=8)
+    reference = copy.deepcopy(model)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8,
+                             learning_rate=1e-2, weight_decay=0.0, max_grad_norm=0.0,
+                             optim="adamw_torch", lr_scheduler_type="constant", report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
+    trainer = GeodesicSAMTrainer(model=model, args=args, train_dataset=train, sam_rho=0.1)
+    trainer.train()
+    assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), GeodesicSAM)
+
+    batch = {k: torch.stack([train[i][k] for i in range(8)]) for k in train[0]}
+    sam = GeodesicSAM(reference, torch.optim.AdamW, rho=0.1, lr=1e-2, weight_decay=0.0)
+    reference.train()
+
+    def closure():
+        loss = reference(**batch).loss
+        loss.backward()
+        return loss
+
+    sam.step(closure)
+    moved = [(p - q).abs().max() for p, q in zip(model.parameters(), reference.parameters())]
+    assert max(moved) < 1e-5  # the Trainer's batch order sums the loss in another order
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _tiny_bert().parameters()))
+
+
+def test_training_integrations_check_their_settings_when_built():
+    from transformers import TrainingArguments
+
+    from geosharp.callbacks import GeodesicSAMTrainer, SharpnessCallback
+    from geosharp.optim import GeodesicSAM
+
+    case = vit_case(torch.float64)
+    for bad, error in [
+        (dict(rho=-1), "rho must be a positive"),
+        (dict(rho=0), "rho must be a positive"),
+        (dict(n_iters=0), "n_iters must be a positive integer"),
+        (dict(n_iters=2.5), "n_iters must be a positive integer"),
+        (dict(estimate="worst"), "unknown option"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=error):
+            SharpnessMonitor(case.batches, case.loss_fn, **bad)
+        with pytest.raises((ValueError, TypeError), match=error):
+            SharpnessCallback(case.batches, case.loss_fn, every_n_steps=5, **bad)
+    with pytest.raises(ValueError, match="every_n_steps"):
+        SharpnessCallback(case.batches, case.loss_fn, every_n_steps=0)
+    monitor = SharpnessMonitor(case.batches, case.loss_fn, rho=np.float32(0.05), n_iters=1)
+    with pytest.raises(TypeError, match="load it first"):
+        monitor("bert-base-uncased")
+    with torch.device("meta"):
+        meta = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="meta device"):
+        monitor(meta)
+
+    model = _tiny_bert()
+    assert GeodesicSAM(model, torch.optim.SGD, rho=np.float64(0.05), lr=0.1).rho == 0.05
+    assert (
+        GeodesicSAM(model, torch.optim.SGD, rho=torch.tensor(0.05, dtype=torch.float64), lr=0.1).rho
+        == 0.05
+    )
+    other = torch.optim.SGD(_tiny_bert().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"does not hold .* would not be trained"):
+        GeodesicSAM(model, other)
+    with pytest.raises(ValueError, match="without a closure needs first_step"):
+        GeodesicSAM(model, torch.optim.SGD, lr=0.1).step()
+    args = TrainingArguments(output_dir="unused", gradient_accumulation_steps=2, report_to="none",
+                             use_cpu=True)  # fmt: skip
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        GeodesicSAMTrainer(model=model, args=args)
+    with pytest.raises(ValueError, match="sam_rho"):
+        GeodesicSAMTrainer(model=model, args=args, sam_rho=-1)

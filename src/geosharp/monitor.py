@@ -17,15 +17,19 @@ A custom loop::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
 from .data import move_batch
 from .measures import DEFAULT_RHO, measure_kwargs, sharpness
+from .measures.sharpness import _ESTIMATOR_KEYS, _GEOMETRY_KEYS, _checked_rho, check_model
 from .params import LossFunction
 
 __all__ = ["SharpnessMonitor"]
+
+_FLAT = {*_ESTIMATOR_KEYS, *_GEOMETRY_KEYS}
 
 
 def _hf_loss(model: nn.Module, batch):
@@ -75,9 +79,14 @@ class SharpnessMonitor:
             unknown = set(given) - set(self.measures)
             if unknown:
                 raise ValueError(f"rho names {sorted(unknown)}, which are not in measures")
-            self.rho = {n: float(given.get(n, DEFAULT_RHO[n])) for n in self.measures}
+            self.rho = {n: _checked_rho(given.get(n, DEFAULT_RHO[n])) for n in self.measures}
         else:
-            self.rho = {n: float(rho) for n in self.measures}
+            self.rho = {n: _checked_rho(rho) for n in self.measures}
+        if isinstance(n_iters, bool) or not isinstance(n_iters, int) or n_iters < 1:
+            raise ValueError(f"n_iters must be a positive integer, got {n_iters!r}")
+        unknown = sorted(set(options) - set(inspect.signature(sharpness).parameters) - _FLAT)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)} for geosharp.sharpness")
         self.batches = list(batches)
         if not self.batches:
             raise ValueError("batches is empty: give the training batches to measure on")
@@ -88,6 +97,7 @@ class SharpnessMonitor:
     def __call__(self, model: nn.Module, step: int | None = None) -> dict[str, float]:
         from .symmetry import find_symmetries
 
+        check_model(model)
         device = next(model.parameters()).device
         batches = [move_batch(b, device) for b in self.batches]
         symmetries = find_symmetries(model, batches[0], loss_fn=self.loss_fn, warn=False)

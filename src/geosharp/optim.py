@@ -72,11 +72,12 @@ class GeodesicSAM(torch.optim.Optimizer):
         symmetries: Symmetries | None = None,
         **kwargs,
     ) -> None:
-        from .measures.sharpness import _geometry, _target
+        from .errors import real_number
+        from .measures.sharpness import _geometry, _target, check_model
 
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho >= 0):
+        check_model(model)
+        rho = real_number(rho, "rho")
+        if not (math.isfinite(rho) and rho >= 0):
             raise ValueError(f"rho must be a finite number >= 0, got {rho!r}")
         self.geometry, parameters = _geometry(measure, {}, None)
         if parameters is not None:
@@ -95,6 +96,14 @@ class GeodesicSAM(torch.optim.Optimizer):
         if isinstance(base_optimizer, torch.optim.Optimizer):
             if kwargs:
                 raise TypeError("pass the base optimizer's options to its constructor")
+            held = {id(p) for g in base_optimizer.param_groups for p in g["params"]}
+            left_out = [n for n, p in self._named if id(p) not in held]
+            if left_out:
+                raise ValueError(
+                    f"base_optimizer does not hold {len(left_out)} of the model's "
+                    f"{len(self._named)} trainable parameters (first: {left_out[0]}), so they "
+                    "would not be trained: build it over this model's parameters"
+                )
             self.base_optimizer = base_optimizer
         else:
             self.base_optimizer = base_optimizer(params, **kwargs)
@@ -155,11 +164,21 @@ class GeodesicSAM(torch.optim.Optimizer):
         if zero_grad:
             self.zero_grad()
 
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """One full step; ``closure`` computes the loss and its gradients (no zeroing).
-        Returns the loss at ``w``."""
+        Returns the loss at ``w``. Without a closure, after :meth:`first_step` and the
+        backward at the ascent point, it is :meth:`second_step` (how a training loop
+        that calls ``optimizer.step()`` uses it, e.g.
+        :class:`geosharp.callbacks.GeodesicSAMTrainer`)."""
         if closure is None:
-            raise ValueError("GeodesicSAM.step needs a closure (or call first_step/second_step)")
+            if self._saved is None:
+                raise ValueError(
+                    "GeodesicSAM.step() without a closure needs first_step() and a backward "
+                    "at the ascent point before it: pass a closure, or call first_step/"
+                    "second_step (in a Hugging Face Trainer: GeodesicSAMTrainer)"
+                )
+            self.second_step()
+            return None
         with torch.enable_grad():
             loss = closure()
         self.first_step(zero_grad=True)

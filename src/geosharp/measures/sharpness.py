@@ -473,6 +473,24 @@ class _Target:
     symmetries: Symmetries | None = None
 
 
+def check_model(model: object) -> None:
+    """An error unless ``model`` is a module whose parameters hold values: a path or a
+    name (load it first), or weights on the ``meta`` device (shapes without values)."""
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got the {type(model).__name__} {model!r}: load "
+            "it first (e.g. AutoModelForSequenceClassification.from_pretrained(path))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{meta} is on the meta device (a shape without values): load the weights (e.g. "
+            "from_pretrained, or load_state_dict(..., assign=True)) before measuring"
+        )
+
+
 def _target(
     model: nn.Module,
     geo: Geometry,
@@ -486,10 +504,9 @@ def _target(
     measure uses pairs: its geometry has a pair factor, or ``parameters="pairs"``. A
     geometry with a pair factor on a model whose attention symmetry is partly not
     understood warns once (``strict``: raises)."""
+    check_model(model)
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
     if symmetries is None and (geo.metric is not None or pairs_only):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if probe is not None:
             batch, loss_fn = probe
             symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
