@@ -136,3 +136,29 @@ def test_measure_hessian_traces_beside_sharpness(bert_dir, text_csv, tmp_path, c
     code = main([*args, "--measures", "hessian-trace-inv", "--rho", "hessian-trace-inv=0.1"])
     assert code == 2
     assert "has no radius" in capsys.readouterr().err
+
+
+def test_measure_per_layer_with_plot(bert_dir, text_csv, tmp_path, capsys):
+    """--per layer: each layer's sharpness with the rest fixed, a table line per (measure,
+    block), the blocks in the JSON, and a bar chart; --plot without --per and --per with
+    a Hessian trace are one-line errors."""
+    from PIL import Image
+
+    plot, out = tmp_path / "layers.png", tmp_path / "layers.json"
+    args = ["measure", str(bert_dir), "--data", str(text_csv), "--n-points", "8",
+            "--batch-size", "8", "--n-iters", "2", "--measures", "adaptive,geodesic-inv",
+            "--per", "layer"]  # fmt: skip
+    assert main([*args, "--plot", str(plot), "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = json.loads(out.read_text())["results"]
+    blocks = list(rows[0]["values"])
+    assert "bert.encoder.layer.0" in blocks and "classifier" in blocks
+    assert [list(r["values"]) for r in rows] == [blocks, blocks]
+    assert all(v > 0 for r in rows for v in r["values"].values())
+    assert len(table) == 1 + 2 * len(blocks) and "geodesic-inv" in table[-1]
+    with Image.open(plot) as image:
+        assert image.size[0] > 300
+    assert main([*args[:-2], "--plot", str(plot)]) == 2
+    assert "--per layer" in capsys.readouterr().err
+    assert main([*args, "--measures", "hessian-trace-inv"]) == 2
+    assert "drop hessian-trace-inv" in capsys.readouterr().err

@@ -462,3 +462,49 @@ def test_call_errors_name_the_fix(small, kwargs, error, match):
 def test_estimators_check_their_arguments(make, match):
     with pytest.raises((TypeError, ValueError), match=match):
         make()
+
+
+@pytest.mark.parametrize("make", [bert_case, encoder_case])
+def test_per_layer_and_module_sharpness(make):
+    """Each block measured with the rest fixed, in the same geometry and radius: the
+    blocks cover every trainable parameter once with each attention pair whole, a block
+    value is that block's sharpness(parameters=...), and the geodesic block values do not
+    move under a symmetry transform while the adaptive ones do."""
+    from geosharp.measures.blocks import parameter_blocks
+
+    case = make(torch.float64)
+    sym = geosharp.find_symmetries(case.model, case.batches[0], loss_fn=case.loss_fn)
+    trainable = [n for n, p in case.model.named_parameters() if p.requires_grad]
+    for per in ("layer", "module"):
+        blocks = parameter_blocks(case.model, per, sym.pairs)
+        assert sorted(n for names in blocks.values() for n in names) == sorted(trainable)
+        owner = {n: b for b, names in blocks.items() for n in names}
+        assert all(len({owner[n] for n in pair.params}) == 1 for pair in sym.pairs)
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=4), per="layer")
+    before = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
+    first, names = next(iter(before.parameters.items()))
+    alone = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv",
+                               **{**kw, "per": None}, parameters=names)  # fmt: skip
+    assert before.values[first] == alone.value
+    moved = copy.deepcopy(case.model)
+    geosharp.reparameterize(moved, sym, cond=10.0, seed=1)
+    after = geosharp.sharpness(moved, case.batches, case.loss_fn, "geodesic-inv", **kw)
+    adaptive = [
+        geosharp.sharpness(m, case.batches, case.loss_fn, "adaptive", **kw).values
+        for m in (case.model, moved)
+    ]
+    attention = [
+        b for b, names in before.parameters.items() if any(n in sym.parameters for n in names)
+    ]
+    assert attention and before.values.keys() == after.values.keys()
+    for block, value in before.values.items():
+        assert value > 0 and after.values[block] == pytest.approx(value, rel=1e-9), block
+    assert any(adaptive[1][b] != pytest.approx(adaptive[0][b], rel=1e-3) for b in attention)
+    with pytest.raises(ValueError, match="drop parameters"):
+        geosharp.sharpness(
+            case.model, case.batches, case.loss_fn, "adaptive", **kw, parameters=names
+        )
+    with pytest.raises(ValueError, match="per must be one of"):
+        geosharp.sharpness(
+            case.model, case.batches, case.loss_fn, "adaptive", **{**kw, "per": "head"}
+        )

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,6 +97,17 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         help="when a perturbed loss is NaN or infinite (rho reaches where the model breaks "
         "down): stop with an error (default), or report the value as inf with the reason "
         "(null in JSON)",
+    )
+    p.add_argument(
+        "--per",
+        choices=("layer", "module"),
+        help="also the sharpness of each layer (or module) with all other parameters fixed, "
+        "in the same geometry and radius: one measure per block",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="with --per: a bar per block, one colour per measure, written to PNG",
     )
     p.add_argument(
         "--resume",
@@ -419,6 +431,16 @@ def run_measure(args) -> int:
     if args.tokenizer is not None:
         inputs["--tokenizer"] = args.tokenizer
     check_output_path(args.json, protected=inputs, force=args.force)
+    if args.plot and not args.per:
+        raise UsageError("--plot draws per-block values: add --per layer (or --per module)")
+    if args.per and any(n in HESSIAN_TRACES for n in names):
+        traces = [n for n in names if n in HESSIAN_TRACES]
+        raise UsageError(f"--per measures sharpness per block; drop {traces[0]} from --measures")
+    if args.plot:
+        from .studies.figures import require_matplotlib
+
+        check_output_path(args.plot, "--plot", protected=inputs, force=args.force)
+        require_matplotlib()
     settings = run_settings(args, rhos)
     previous = resumable(args, settings)
     config = load_config(path)
@@ -519,6 +541,7 @@ def run_measure(args) -> int:
                     measure=name,
                     strict=args.strict,
                     nonfinite=args.nonfinite,
+                    per=args.per,
                 )
             except FloatingPointError as err:  # the user's radius or model, not our bug
                 raise UsageError(
@@ -528,6 +551,10 @@ def run_measure(args) -> int:
                 ) from None
             row = result.to_dict()
             row.update(measure=name, seconds=time.perf_counter() - start)
+            if args.per:  # the whole row of a block measure: its blocks
+                first = next(iter(result.blocks.values()))
+                row.update(rho=first.rho, loss=first.loss, geometry=first.geometry)
+                result = _Broken([w for b in result.blocks.values() for w in b.nonfinite])
             results.append(row)
             save(False)
             if result.nonfinite:
@@ -541,6 +568,28 @@ def run_measure(args) -> int:
         return 0
 
     table = sys.stderr if args.json == "-" else sys.stdout
+    if args.per:
+        _block_table(results, symmetries, table)
+        if args.plot:
+            plot_blocks(
+                results, args.plot, f"{Path(str(args.model)).name} on {Path(args.data).name}"
+            )
+            say(f"wrote {args.plot}")
+    else:
+        _table(results, symmetries, table)
+    if args.json == "-":
+        print(dumps({**header, "complete": True, "results": results}))
+    else:
+        save(True)
+    return 0
+
+
+@dataclass
+class _Broken:
+    nonfinite: list[str]
+
+
+def _table(results: list[dict], symmetries, table) -> None:
     print(f"{'measure':<28} {'rho':>8} {'value':>12} {'loss':>9} {'time':>7}", file=table)
     for r in results:
         rho = "-" if r["rho"] is None else f"{r['rho']:g}"
@@ -550,11 +599,47 @@ def run_measure(args) -> int:
             f"{label:<28} {rho:>8} {value:>12} {r['loss']:>9.4g} {r['seconds']:>6.1f}s",
             file=table,
         )
-    if args.json == "-":
-        print(dumps({**header, "complete": True, "results": results}))
-    else:
-        save(True)
-    return 0
+
+
+def _block_table(results: list[dict], symmetries, table) -> None:
+    """One line per (measure, block) of a ``--per`` run."""
+    width = max((len(b) for r in results for b in r.get("values", {})), default=5)
+    print(f"{'measure':<28} {'block':<{width}} {'rho':>8} {'value':>12}", file=table)
+    for r in results:
+        label = r["measure"] + symmetry_mark(r["measure"], symmetries)
+        for block, value in r.get("values", {}).items():
+            shown = _number(value, r["blocks"][block])
+            print(f"{label:<28} {block:<{width}} {r['rho']:>8g} {shown:>12}", file=table)
+
+
+def plot_blocks(results: list[dict], path: str, title: str) -> None:
+    """A bar per block, one colour per measure (log scale when every value is
+    positive and finite)."""
+    import math
+
+    from .studies.figures import require_matplotlib, save_png
+
+    require_matplotlib()
+    import matplotlib.pyplot as plt
+
+    blocks = list(results[0]["values"])
+    width = 0.8 / len(results)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(blocks) * len(results) + 2), 4))
+    values = []
+    for i, r in enumerate(results):
+        ys = [r["values"][b] if r["values"][b] is not None else math.nan for b in blocks]
+        values += ys
+        xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(blocks))]
+        ax.bar(xs, ys, width, label=f"{r['measure']} (rho={r['rho']:g})")
+    if all(math.isfinite(v) and v > 0 for v in values):
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(blocks)), blocks, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("sharpness, other blocks fixed")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, Path(path))
+    plt.close(fig)
 
 
 def _number(value, row: dict) -> str:
@@ -571,7 +656,7 @@ def run_settings(args, rhos: dict[str, float]) -> dict:
 
     keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
             "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
-            "autocast", "nonfinite")  # fmt: skip
+            "autocast", "nonfinite", "per")  # fmt: skip
     settings = {k: getattr(args, k) for k in keys}
     settings.update(model=str(args.model), rho=rhos, version=__version__)
     return settings

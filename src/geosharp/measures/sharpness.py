@@ -35,6 +35,7 @@ from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate, auto_pgd
+from .blocks import PER, BlockSharpness, parameter_blocks
 from .estimators import AverageCase, Estimator, WorstCase, estimator_from
 
 __all__ = ["SharpnessResult", "sharpness"]
@@ -119,8 +120,9 @@ def sharpness(
     low_memory: bool = False,
     strict: bool = False,
     nonfinite: str = "error",
+    per: str | None = None,
     **flat,
-) -> SharpnessResult:
+) -> SharpnessResult | BlockSharpness:
     """Measure the sharpness of ``model`` on ``batches``.
 
     What is measured: ``measure``, ``rho`` and ``estimator``; the other arguments say
@@ -185,6 +187,12 @@ def sharpness(
             ``"inf"`` reports ``inf`` for that batch, and where in
             ``result.nonfinite``. Never a finite number: the supremum over a ball that
             holds such a point is not one.
+        per: ``"layer"`` or ``"module"``: the sharpness of each block of parameters with
+            all others fixed, in the same geometry and radius, as a
+            :class:`~geosharp.measures.blocks.BlockSharpness` (blocks:
+            :func:`~geosharp.measures.blocks.parameter_blocks`; attention pairs are kept
+            whole, so geodesic block values are symmetry-invariant). It costs one
+            measure per block.
         **flat: the keywords of earlier versions, still accepted. The geometry piece by
             piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
             ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
@@ -212,6 +220,8 @@ def sharpness(
         raise TypeError(f"sharpness() got unexpected keyword argument(s): {', '.join(unknown)}")
     if nonfinite not in ("error", "inf"):
         raise ValueError(f"nonfinite must be 'error' or 'inf', got {nonfinite!r}")
+    if per is not None:
+        return _per_block(per, locals())
     estimator = _estimator(estimator, {k: flat[k] for k in _ESTIMATOR_KEYS if k in flat})
     geo, parameters = _geometry(
         measure, {k: flat[k] for k in _GEOMETRY_KEYS if k in flat}, parameters
@@ -359,6 +369,34 @@ def sharpness(
         symmetry=report,
         nonfinite=broken,
     )
+
+
+def _per_block(per: str, arguments: dict) -> BlockSharpness:
+    """:func:`sharpness` of each block of :func:`parameter_blocks` with the rest fixed."""
+    import inspect
+
+    names = set(inspect.signature(sharpness).parameters) - {"per", "flat"}
+    args = {k: v for k, v in arguments.items() if k in names}
+    args.update(arguments["flat"])
+    if per not in PER:
+        raise ValueError(f"per must be one of {', '.join(map(repr, PER))}, got {per!r}")
+    if args["parameters"] is not None:
+        raise ValueError("per measures every block of parameters: drop parameters=")
+    _, subset = _geometry(args["measure"], {k: args[k] for k in _GEOMETRY_KEYS if k in args}, None)
+    if subset is not None:
+        raise ValueError(f"per measures every block: use {args['measure']!r} without '-attn'")
+    check_model(args["model"])
+    batches, _, first = _peeked(args["batches"])
+    args["batches"] = list(batches)  # read once per block
+    if args["symmetries"] is None:  # the same blocks for every measure
+        args["symmetries"] = find_symmetries(
+            args["model"], first, loss_fn=args["loss_fn"], warn=False
+        )
+    groups = parameter_blocks(args["model"], per, args["symmetries"].pairs)
+    out = BlockSharpness(per, parameters=groups)
+    for name, names in groups.items():
+        out.blocks[name] = sharpness(**{**args, "parameters": names})
+    return out
 
 
 def _evaluations(estimator) -> int:
