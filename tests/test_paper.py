@@ -215,7 +215,7 @@ def _bert_driver_setup(tmp_path):
     argv = ["study", "paper", "bert", "--checkpoints", str(tmp_path / "ft"), "--data", str(data)]
     argv += ["--gaps", str(gaps), "--out", str(out), "--n-points", "4", "--batch-size", "2"]
     argv += ["--n-iters", "1", "--measures", "adaptive", "geodesic-inv", "--rho-factors", "1"]
-    argv += ["--n-boot", "50"]
+    argv += ["--n-boot", "50", "--label-order", "entailment,neutral,contradiction"]
     return argv
 
 
@@ -270,3 +270,116 @@ def test_drivers_default_to_the_paper_protocol(
     assert seen == dict(n_points=n_points, batch_size=batch_size)
     assert main([*argv, "--n-points", "8", "--batch-size", "4"]) == 0
     assert seen == dict(n_points=8, batch_size=4)
+
+
+def _one_line(capsys, code):
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_paper_driver_refuses_what_would_give_a_wrong_number(tmp_path, capsys):
+    """The driver's traps, each a one-line error before measuring: a fine-tune without
+    tokenizer files or without its trained head, a config without label names and no
+    --label-order, gaps that match no checkpoint, a rerun with other settings on the
+    same --out; a measure added on a rerun is measured (no KeyError)."""
+    import json
+    import shutil
+
+    from geosharp.cli import main
+
+    argv = _bert_driver_setup(tmp_path)
+    capsys.readouterr()
+    ft = tmp_path / "ft"
+    label_order = argv.index("--label-order")
+    no_order = argv[:label_order] + argv[label_order + 2 :]
+    assert "--label-order" in _one_line(capsys, main(no_order))
+    gaps = tmp_path / "bad_gaps.csv"
+    gaps.write_text("checkpoint,gap\nbert-0,0.1\nbert-1,0.3\nbert-9,0.2\n")
+    bad = [*argv, "--gaps", str(gaps)]
+    line = _one_line(capsys, main(bad))
+    assert "no gap for ['bert-2']" in line and "['bert-9']" in line
+
+    assert main([*argv, "--measures", "adaptive"]) == 0
+    out = argv[argv.index("--out") + 1]
+    assert "other settings (n_iters: 1 there, 2 now)" in _one_line(
+        capsys, main([*argv, "--n-iters", "2"])
+    )
+    assert main(argv) == 0  # geodesic-inv added to the records, no KeyError
+    record = json.loads((tmp_path / "out" / "measures" / "bert-0.json").read_text())
+    assert set(record["measures"]) == {"adaptive", "geodesic-inv"}
+    assert record["settings"]["n_iters"] == 1 and out
+
+    for name, damage, expected in [
+        ("no_tokenizer", ("vocab.txt", "tokenizer.json", "tokenizer_config.json"), "tokenizer"),
+        ("no_head", None, "no trained classifier"),
+    ]:
+        broken = tmp_path / name
+        shutil.copytree(ft, broken / "ft")
+        if damage:
+            for f in damage:
+                (broken / "ft" / "bert-0" / f).unlink(missing_ok=True)
+        else:
+            from safetensors.torch import load_file, save_file
+
+            weights = broken / "ft" / "bert-0" / "model.safetensors"
+            state = {k: v for k, v in load_file(weights).items() if "classifier" not in k}
+            save_file(state, weights, metadata={"format": "pt"})
+        args = [*argv, "--checkpoints", str(broken / "ft"), "--out", str(broken / "out")]
+        assert expected in _one_line(capsys, main(args)), name
+
+
+def test_mnli_files_as_their_owners_wrote_them(tmp_path):
+    """TSV with premise/hypothesis columns and capitalised labels; JSONL with Hugging
+    Face's integer labels (0 entailment) and -1 for unlabelled rows; a label that is not
+    MNLI's names its line."""
+    import json
+    from types import SimpleNamespace
+
+    from geosharp.errors import UsageError
+
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("premise\thypothesis\tlabel\nA b.\tC d.\tEntailment\nE f.\tG h.\t-\n")
+    assert paper.read_mnli(tsv) == [("A b.", "C d.", "entailment")]
+    jsonl = tmp_path / "a.jsonl"
+    rows = [{"premise": "p", "hypothesis": "h", "label": lab} for lab in (0, 2, -1, 1)]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [r[2] for r in paper.read_mnli(jsonl)] == ["entailment", "contradiction", "neutral"]
+    bad = tmp_path / "b.jsonl"
+    bad.write_text(json.dumps({"premise": "p", "hypothesis": "h", "label": "maybe"}))
+    with pytest.raises(UsageError, match="line 1: label 'maybe'"):
+        paper.read_mnli(bad)
+    generic = SimpleNamespace(num_labels=3, id2label={0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"})
+    with pytest.raises(UsageError, match="--label-order"):
+        paper.mnli_label_ids(generic)
+    order = ["entailment", "neutral", "contradiction"]
+    assert paper.mnli_label_ids(generic, order) == {
+        "entailment": 0,
+        "neutral": 1,
+        "contradiction": 2,
+    }
+    named = SimpleNamespace(
+        num_labels=3, id2label={0: "CONTRADICTION", 1: "entailment", 2: "Neutral"}
+    )
+    assert paper.mnli_label_ids(named)["contradiction"] == 0
+    with pytest.raises(UsageError, match="disagrees"):
+        paper.mnli_label_ids(named, order)
+
+
+def test_imagenet_classes_are_matched_by_wnid(tmp_path, fake_imagenet):
+    """A subset of the classes takes the head's indices from --classes (by wnid); without
+    it only as many folders as classes are accepted; an empty root is an error."""
+    from geosharp.errors import UsageError
+
+    wnids = tmp_path / "LOC_synset_mapping.txt"
+    wnids.write_text("n000 zero\nn001 one\nn002 two\nn003 three\nn004 four\n")
+    ids = paper.imagenet_class_ids(fake_imagenet, 5, wnids)
+    assert ids == {"n001": 1, "n002": 2, "n003": 3}
+    (_, labels), *_ = paper.imagenet_batches(fake_imagenet, 6, size=32, class_ids=ids)
+    assert sorted(set(labels.tolist())) == [1, 2, 3]
+    with pytest.raises(UsageError, match="3 class folders and the head 5"):
+        paper.imagenet_class_ids(fake_imagenet, 5)
+    assert paper.imagenet_class_ids(fake_imagenet, 3) == {"n001": 0, "n002": 1, "n003": 2}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no class folders"):
+        paper.imagenet_class_ids(tmp_path / "empty", 3)

@@ -14,14 +14,21 @@ classification head on the normalised image embedding. Two layouts are read:
   (and ``.bias``), converted to the Hugging Face ``CLIPVisionModelWithProjection`` named
   by ``config`` (a ``CLIPVisionConfig`` or a directory holding its ``config.json``).
 
-ImageNet is read from an ImageFolder-style directory (``<root>/<wnid>/<image>``, classes
-in sorted order) with CLIP's preprocessing (resize the short side, centre crop,
-normalise), implemented with Pillow and torch.
+ImageNet is read from an ImageFolder-style directory (``<root>/<wnid>/<image>``) with
+CLIP's preprocessing (resize the short side, centre crop, normalise), implemented with
+Pillow and torch. Folders are matched to the head's classes by wnid: with ``classes``
+(``--classes``, the wnids in the head's order, one per line, e.g. ImageNet's
+``LOC_synset_mapping.txt``), or, without it, only when there are as many folders as the
+head has classes (sorted order, the standard class index).
 
 **BERT (McCoy et al. 2020 style MNLI fine-tunes).** Each fine-tune is a Hugging Face
-``BertForSequenceClassification`` directory; MNLI is read from a GLUE-style TSV
-(``sentence1``, ``sentence2``, ``gold_label`` columns) or JSON lines (``premise``,
-``hypothesis``, ``label``).
+``BertForSequenceClassification`` directory with its tokenizer and trained head; MNLI
+is read from a TSV/CSV (``sentence1``/``premise``, ``sentence2``/``hypothesis``,
+``gold_label``/``label`` columns) or JSON lines. Label names are read case-insensitively;
+integer labels are Hugging Face ``glue/mnli``'s (0 entailment, 1 neutral, 2
+contradiction; -1, unlabelled, and GLUE's ``-`` are dropped). They reach the model's
+outputs through its config's label names, or ``label_order`` (``--label-order``) for a
+checkpoint whose labels have no names.
 """
 
 from __future__ import annotations
@@ -179,23 +186,56 @@ def _clip_preprocess(image, size: int) -> Tensor:
     return (x - mean) / std
 
 
+def imagenet_class_ids(root: str | Path, n_classes: int, classes: str | Path | None = None):
+    """``{folder: class index of the head}`` of an ImageNet folder: by wnid through
+    ``classes`` (a file of the head's wnids in order, the first word of each line), or,
+    without it, the folders in sorted order when there are exactly ``n_classes``."""
+    root = Path(root)
+    folders = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if not folders:
+        raise UsageError(f"--data {root}: no class folders (expected {root}/<wnid>/<image>)")
+    if classes is not None:
+        wnids = [line.split()[0] for line in Path(classes).read_text().splitlines() if line.strip()]
+        if len(wnids) != n_classes:
+            raise UsageError(
+                f"--classes {classes} lists {len(wnids)} classes; the head has {n_classes}"
+            )
+        index = {w: i for i, w in enumerate(wnids)}
+        unknown = [f for f in folders if f not in index]
+        if unknown:
+            raise UsageError(f"class folders {unknown[:5]} are not in --classes {classes}")
+        return {f: index[f] for f in folders}
+    if len(folders) != n_classes:
+        raise UsageError(
+            f"--data {root} has {len(folders)} class folders and the head {n_classes} "
+            "classes: which index each folder has is unknown; pass --classes with the "
+            "head's wnids in order (e.g. ImageNet's LOC_synset_mapping.txt)"
+        )
+    return {f: i for i, f in enumerate(folders)}
+
+
 def imagenet_batches(
-    root: str | Path, batch_size: int, n_images: int | None = None, size: int = 224, seed: int = 0
+    root: str | Path,
+    batch_size: int,
+    n_images: int | None = None,
+    size: int = 224,
+    seed: int = 0,
+    class_ids: dict[str, int] | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``(pixel_values, labels)`` batches from an ImageFolder-style directory: a fixed,
-    seeded subset of ``n_images`` images (all when ``None``)."""
-    from PIL import Image
+    seeded subset of ``n_images`` images (all when ``None``); labels through
+    ``class_ids`` (:func:`imagenet_class_ids`; default: the sorted folders)."""
+    from ..data import image_folder_items, read_images
 
-    from ..data import image_folder_items
-
-    items, _ = image_folder_items(root, n_images, seed)
+    items, folders = image_folder_items(root, n_images, seed)
+    if not items:
+        raise UsageError(f"--data {root}: no images in its class folders ({root}/<wnid>/<image>)")
+    ids = [class_ids[f] for f in folders] if class_ids is not None else list(range(len(folders)))
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        with_images = []
-        for f, _ in chunk:
-            with Image.open(f) as im:
-                with_images.append(_clip_preprocess(im, size))
-        yield torch.stack(with_images), torch.tensor([c for _, c in chunk])
+        images = read_images([f for f, _ in chunk], "RGB")
+        pixels = torch.stack([_clip_preprocess(im, size) for im in images])
+        yield pixels, torch.tensor([ids[c] for _, c in chunk])
 
 
 def clip_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
@@ -206,42 +246,142 @@ def clip_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 
 def load_bert_mnli(path: str | Path):
-    """A BERT MNLI fine-tune (``BertForSequenceClassification`` directory) in eval mode."""
+    """A BERT MNLI fine-tune (``BertForSequenceClassification`` directory) in eval mode;
+    an error when its weights lack the trained classifier (a new random head would be
+    measured, another on every load)."""
     from transformers import BertForSequenceClassification
 
-    return BertForSequenceClassification.from_pretrained(path, local_files_only=True).eval()
+    from ..hf import check_weights, quiet_transformers
+
+    check_weights(path)
+    with quiet_transformers():
+        model, info = BertForSequenceClassification.from_pretrained(
+            path, local_files_only=True, output_loading_info=True
+        )
+    missing = [k for k in info.get("missing_keys", ()) if "position_ids" not in k]
+    if missing:
+        raise UsageError(
+            f"{path} has no trained {missing[0]} (and {len(missing) - 1} more missing): the "
+            "fine-tune's classifier must be saved with it"
+        )
+    return model.eval()
 
 
-def _label_index(config, name: str) -> int:
-    mapping = {k.lower(): v for k, v in (getattr(config, "label2id", None) or {}).items()}
-    if set(MNLI_LABELS) <= set(mapping):
-        return int(mapping[name])
-    return MNLI_LABELS.index(name)
+HF_MNLI_ORDER = ("entailment", "neutral", "contradiction")  # datasets' glue/mnli
+_COLUMNS = {
+    "premise": ("sentence1", "premise"),
+    "hypothesis": ("sentence2", "hypothesis"),
+    "label": ("gold_label", "label"),
+}
+
+
+def mnli_label_ids(config, label_order: list[str] | None = None) -> dict[str, int]:
+    """``{MNLI label name: model output}`` from the config's label names, or from
+    ``label_order`` (the names in output order) when the config names none; an error
+    when neither says it, or they disagree."""
+    from ..hfdata import label_names
+
+    if getattr(config, "num_labels", 3) != 3:
+        raise UsageError(f"the checkpoint has {config.num_labels} outputs; MNLI has 3 classes")
+    given = None
+    if label_order is not None:
+        order = [n.strip().lower() for n in label_order]
+        if sorted(order) != sorted(MNLI_LABELS):
+            raise UsageError(
+                f"--label-order {','.join(label_order)}: give {', '.join(HF_MNLI_ORDER)} "
+                "in the order of the model's outputs"
+            )
+        given = {n: i for i, n in enumerate(order)}
+    names = label_names(config)
+    if names is not None:
+        lookup = {v.strip().lower(): k for k, v in names.items()}
+        if not set(MNLI_LABELS) <= set(lookup):
+            raise UsageError(
+                f"the checkpoint's labels {sorted(names.values())} are not MNLI's "
+                f"({', '.join(MNLI_LABELS)})"
+            )
+        mapping = {n: lookup[n] for n in MNLI_LABELS}
+        if given is not None and given != mapping:
+            raise UsageError("--label-order disagrees with the checkpoint's own label names")
+        return mapping
+    if given is None:
+        raise UsageError(
+            "the checkpoint's labels have no names (LABEL_0, LABEL_1, LABEL_2), so which "
+            "output is entailment is unknown: pass --label-order with the order it was "
+            "fine-tuned with (Hugging Face glue/mnli: entailment,neutral,contradiction)"
+        )
+    return given
 
 
 def read_mnli(path: str | Path) -> list[tuple[str, str, str]]:
-    """``(premise, hypothesis, label name)`` from a GLUE TSV or a JSON-lines file."""
+    """``(premise, hypothesis, label name)`` of the labelled rows of a TSV/CSV or
+    JSON-lines file (see the module's docstring); unlabelled rows are dropped, other
+    problems are errors naming the row."""
     path = Path(path)
-    rows = []
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not UTF-8 text (offset {err.start}); save it as UTF-8") from None
     if path.suffix in (".jsonl", ".json"):
-        for line in path.read_text().splitlines():
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                r = json.loads(line)
-                label = r.get("label", r.get("gold_label"))
-                if isinstance(label, int):
-                    label = MNLI_LABELS[label]
-                rows.append(
-                    (
-                        r.get("premise", r.get("sentence1")),
-                        r.get("hypothesis", r.get("sentence2")),
-                        label,
-                    )
-                )
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError:
+                    raise UsageError(f"{path}, line {number}: not a JSON object") from None
     else:
-        with path.open(newline="") as f:
-            for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
-                rows.append((r["sentence1"], r["sentence2"], r["gold_label"]))
-    return [r for r in rows if r[2] in MNLI_LABELS]
+        tsv = path.suffix != ".csv"
+        reader = csv.DictReader(
+            text.splitlines(),
+            delimiter="\t" if tsv else ",",
+            quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL,
+        )
+        records = [(number, r) for number, r in enumerate(reader, 2)]
+    rows = []
+    for number, record in records:
+        if not isinstance(record, dict):
+            raise UsageError(f"{path}, line {number}: expected an object with named fields")
+        values = {}
+        for field, names in _COLUMNS.items():
+            key = next((n for n in names if n in record), None)
+            if key is None:
+                raise UsageError(
+                    f"{path}, line {number}: no {' or '.join(map(repr, names))} field "
+                    f"(fields: {', '.join(map(str, record))})"
+                )
+            values[field] = record[key]
+        label = _mnli_label(values["label"], path, number)
+        if label is None:
+            continue
+        for field in ("premise", "hypothesis"):
+            if not isinstance(values[field], str) or not values[field].strip():
+                raise UsageError(f"{path}, line {number}: the {field} is empty or missing")
+        rows.append((values["premise"], values["hypothesis"], label))
+    if not rows:
+        raise UsageError(f"{path} holds no labelled MNLI rows")
+    return rows
+
+
+def _mnli_label(label, path: Path, number: int) -> str | None:
+    """The label's name; ``None`` for an unlabelled row (-1, ``-``, empty)."""
+    text = str(label).strip().lower() if label is not None else ""
+    if isinstance(label, bool):
+        text = "?"
+    elif isinstance(label, int) or text.lstrip("-").isdigit():
+        index = int(text)
+        if index == -1:
+            return None
+        if 0 <= index < 3:
+            return HF_MNLI_ORDER[index]
+    if text in ("", "-"):
+        return None
+    if text in MNLI_LABELS:
+        return text
+    raise UsageError(
+        f"{path}, line {number}: label {label!r} is not an MNLI label "
+        f"({', '.join(HF_MNLI_ORDER)}, or 0-2 in that order)"
+    )
 
 
 def mnli_batches(
@@ -251,13 +391,16 @@ def mnli_batches(
     n_examples: int | None = None,
     max_length: int = 128,
     config=None,
+    label_order: list[str] | None = None,
 ) -> list[dict[str, Tensor]]:
     """Tokenised batches (``input_ids``, ``token_type_ids``, ``attention_mask``,
-    ``labels``) of the first ``n_examples`` rows, labels mapped by the model's config."""
-    from transformers import AutoConfig, AutoTokenizer
+    ``labels``) of the first ``n_examples`` rows, labels mapped to the model's outputs
+    by :func:`mnli_label_ids`; the checkpoint's own tokenizer (an error without one)."""
+    from ..hf import load_config, load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    config = config or AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tok = load_tokenizer(model_dir)
+    config = config or load_config(model_dir)
+    ids = mnli_label_ids(config, label_order)
     rows = rows[:n_examples] if n_examples is not None else rows
     batches = []
     for start in range(0, len(rows), batch_size):
@@ -270,7 +413,7 @@ def mnli_batches(
             max_length=max_length,
             return_tensors="pt",
         )
-        labels = torch.tensor([_label_index(config, r[2]) for r in chunk])
+        labels = torch.tensor([ids[r[2]] for r in chunk])
         batches.append({**dict(enc), "labels": labels})
     return batches
 
@@ -279,16 +422,31 @@ def mnli_batches(
 
 
 def _measure_checkpoint(
-    model, batches, loss_fn, measures, rho_factors, n_iters, seed, path, autocast_dtype=None
+    model,
+    batches,
+    loss_fn,
+    measures,
+    rho_factors,
+    n_iters,
+    seed,
+    path,
+    autocast_dtype=None,
+    settings=None,
+    progress=False,
 ):
-    """Sharpness at every (measure, radius); resumable, rewritten atomically."""
+    """Sharpness at every (measure, radius); resumable, rewritten atomically. A record
+    made with other ``settings`` is refused; a measure or radius it lacks is added."""
     from ..measures import DEFAULT_RHO
     from .zoo import measure_grid, read_json
+    from .zoo.store import missing
 
     record = read_json(path)
-    if record.get("complete"):
-        return record
     grid = {name: [float(DEFAULT_RHO[name] * f) for f in rho_factors] for name in measures}
+    if settings is not None:
+        _same_settings(record, settings, path)
+        record["settings"] = settings
+    if record.get("complete") and not missing(record, grid):
+        return record
     return measure_grid(
         record,
         path,
@@ -299,13 +457,79 @@ def _measure_checkpoint(
         n_iters=n_iters,
         seed=seed,
         autocast_dtype=autocast_dtype,
+        progress=progress,
     )
+
+
+def _same_settings(record: dict, settings: dict, path) -> None:
+    if not record:
+        return
+    was = record.get("settings")
+    if was is None:
+        raise UsageError(
+            f"{path} was written without its settings (an older geosharp): use another --out"
+        )
+    changed = [k for k in sorted(set(was) | set(settings)) if was.get(k) != settings.get(k)]
+    if changed:
+        k = changed[0]
+        raise UsageError(
+            f"{path} was measured with other settings ({k}: {was.get(k)!r} there, "
+            f"{settings.get(k)!r} now): use another --out, or the same settings"
+        )
+
+
+def run_settings(args) -> dict:
+    """What changes a stored value: records carry it, and a rerun with other settings
+    on the same ``--out`` is refused."""
+    keys = ("setting", "n_points", "batch_size", "n_iters", "seed", "autocast", "config",
+            "label_order", "classes", "max_length")  # fmt: skip
+    out = {k: getattr(args, k, None) for k in keys}
+    out["data"] = str(Path(args.data).resolve())
+    return out
 
 
 def read_gaps(path: str | Path) -> dict[str, float]:
     """``checkpoint,gap`` CSV (checkpoint = directory or file name) -> ``{name: gap}``."""
-    with Path(path).open(newline="") as f:
-        return {r["checkpoint"]: float(r["gap"]) for r in csv.DictReader(f)}
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise UsageError(f"--gaps {path}: not UTF-8 text") from None
+    reader = csv.DictReader(text.splitlines())
+    if not {"checkpoint", "gap"} <= set(reader.fieldnames or ()):
+        raise UsageError(
+            f"--gaps {path}: needs columns checkpoint,gap "
+            f"(has {', '.join(reader.fieldnames or [])})"
+        )
+    gaps = {}
+    for number, row in enumerate(reader, 2):
+        try:
+            gaps[row["checkpoint"].strip()] = float(row["gap"])
+        except (TypeError, ValueError, AttributeError):
+            raise UsageError(
+                f"--gaps {path}, line {number}: gap {row['gap']!r} is not a number"
+            ) from None
+    return gaps
+
+
+def matched_gaps(gaps: dict[str, float], checkpoints: list[Path], path) -> dict[str, float]:
+    """The gap of every checkpoint (by directory or file name); an error naming the
+    checkpoints without one and the names that match no checkpoint."""
+    names = [c.name for c in checkpoints]
+    stems = {c.stem: c.name for c in checkpoints}
+    out = {}
+    for key, gap in gaps.items():
+        name = key if key in names else stems.get(key, Path(key).name)
+        if name in names:
+            out[name] = gap
+    lacking = [n for n in names if n not in out]
+    unused = [k for k in gaps if (k if k in names else stems.get(k, Path(k).name)) not in names]
+    if lacking or unused:
+        raise UsageError(
+            f"--gaps {path} does not match the checkpoints: no gap for {lacking[:3]}"
+            f"{' ...' if len(lacking) > 3 else ''}; names matching no checkpoint {unused[:3]}"
+            f"{' ...' if len(unused) > 3 else ''}"
+        )
+    return out
 
 
 def _load(args, ckpt: Path, rows):
@@ -315,13 +539,21 @@ def _load(args, ckpt: Path, rows):
     if args.setting == "clip":
         model = load_clip_finetune(ckpt, config=args.config)
         size = model.vision.config.image_size
+        ids = imagenet_class_ids(
+            args.data, model.classification_head.out_features, getattr(args, "classes", None)
+        )
         batches = list(
-            imagenet_batches(args.data, args.batch_size, args.n_points, size=size, seed=args.seed)
+            imagenet_batches(
+                args.data, args.batch_size, args.n_points, size=size, seed=args.seed, class_ids=ids
+            )
         )
         loss_fn = clip_loss
     else:
         model = load_bert_mnli(ckpt)
-        batches = mnli_batches(ckpt, rows, args.batch_size, args.n_points)
+        batches = mnli_batches(
+            ckpt, rows, args.batch_size, args.n_points,
+            label_order=getattr(args, "label_order", None),
+        )  # fmt: skip
         loss_fn = classification_loss
     return model, batches, loss_fn
 
@@ -334,6 +566,7 @@ def run_paper(args) -> dict:
     from ..errors import MissingInputError
     from ..hf import quiet_transformers
     from ..io import write_json_atomic
+    from ..measures import DEFAULT_RHO
     from ..options import autocast_dtype, check_device
     from ..progress import Progress
     from .stats import kendall_tau_with_ci
@@ -349,6 +582,8 @@ def run_paper(args) -> dict:
     device = check_device(args.device)
     autocast = autocast_dtype(args.autocast)
     rows = read_mnli(args.data) if args.setting == "bert" else None
+    gaps = matched_gaps(read_gaps(args.gaps), checkpoints, args.gaps) if args.gaps else None
+    settings = run_settings(args)
     mine = [checkpoints[i] for i in gd.shard(len(checkpoints))]
     bar = Progress(mine, desc=f"measure {args.setting}", unit="model", enabled=rank == 0)
     for ckpt in bar:
@@ -364,18 +599,20 @@ def run_paper(args) -> dict:
             args.seed,
             out / "measures" / f"{ckpt.name}.json",
             autocast_dtype=autocast,
+            settings=settings,
+            progress=rank == 0,
         )
     gd.barrier()
     records = {
         c.name: json.loads((out / "measures" / f"{c.name}.json").read_text()) for c in checkpoints
     }
     summary = dict(setting=args.setting, n_models=len(records), taus={})
-    if args.gaps:
-        gaps = read_gaps(args.gaps)
-        names = [n for n in records if n in gaps]
+    if gaps:
+        names = list(records)
         gap = [gaps[n] for n in names]
         for measure in args.measures:
-            for key in records[names[0]]["measures"][measure] if names else []:
+            keys = [repr(float(DEFAULT_RHO[measure] * f)) for f in args.rho_factors]
+            for key in keys:
                 vals = [records[n]["measures"][measure][key]["value"] for n in names]
                 ci = kendall_tau_with_ci(vals, gap, n_boot=args.n_boot, seed=args.seed)
                 summary["taus"].setdefault(measure, {})[key] = ci.to_dict()
@@ -401,6 +638,17 @@ def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="ImageNet folder (clip) or MNLI TSV/JSONL (bert)")
     p.add_argument("--config", help="CLIPVisionConfig directory for model-soups .pt files")
     p.add_argument("--gaps", help="CSV with columns checkpoint,gap for the Kendall taus")
+    p.add_argument(
+        "--label-order",
+        type=lambda text: [t.strip() for t in text.split(",")],
+        help="bert: the MNLI labels in the order of the model's outputs, for checkpoints "
+        "whose config names none (e.g. entailment,neutral,contradiction)",
+    )
+    p.add_argument(
+        "--classes",
+        help="clip: file of the head's ImageNet wnids in order, one per line (e.g. "
+        "LOC_synset_mapping.txt); needed when --data holds a subset of the classes",
+    )
     p.add_argument("--out", default="runs/paper", help="results directory (runs/paper)")
     p.add_argument(
         "--n-points",
@@ -456,7 +704,7 @@ def run(args) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_device(args.device)
-    for option in ("checkpoints", "data", "gaps", "config"):
+    for option in ("checkpoints", "data", "gaps", "config", "classes"):
         value = getattr(args, option)
         if value is not None and not Path(value).exists():
             raise MissingInputError(f"--{option} {value}: no such file or directory")
