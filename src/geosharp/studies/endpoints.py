@@ -36,6 +36,7 @@ __all__ = [
     "endpoints",
     "format_endpoints",
     "plot_tau_curves",
+    "pooled_difference",
     "split_included",
     "tau_curves",
 ]
@@ -200,6 +201,57 @@ def endpoints(rows: Sequence[dict], protocol: Protocol, measures: Sequence[str])
             ci = kendall_tau_with_ci(x, gap, **boot)
             result["baselines"][column] = dict(tau=ci.estimate, ci=[ci.low, ci.high])
     return result
+
+
+def pooled_difference(
+    studies: Sequence[tuple[Sequence[dict], Protocol]],
+    measure: str,
+    reference: str = "adaptive",
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Exploratory (not pre-registered): the mean over populations of
+    ``|tau(measure)| - |tau(reference)|`` with the gap, each at its population's
+    calibrated radius (the radius rule applied again in every resample, as in the
+    primary endpoint), with a bootstrap stratified by population (each population's
+    models resampled within it). ``studies``: ``(rows, protocol)`` per population, the
+    rows of :func:`endpoints`, filtered by the same inclusion rule."""
+    from .stats import calibrated_index, kendall_tau, stratified_bootstrap_ci
+
+    strata, targets, names = [], [], []
+    for rows, protocol in studies:
+        kept, _ = split_included(rows, protocol, [measure, reference])
+        values = []
+        for m in (measure, reference):
+            radii = sorted(_grid(kept[0], m))
+            values.append(np.array([[_grid(r, m)[rho] for rho in radii] for r in kept]))
+        gap = np.array([r["error_gap"] for r in kept], dtype=np.float64)
+        strata.append((*values, gap))
+        targets.append(protocol.target)
+        names.append(protocol.population)
+
+    def differences(groups) -> list[float]:
+        out = []
+        for (a, b, gap), target in zip(groups, targets, strict=True):
+            ta = kendall_tau(a[:, calibrated_index(a.T, target)], gap, "b")
+            tb = kendall_tau(b[:, calibrated_index(b.T, target)], gap, "b")
+            out.append(abs(ta) - abs(tb))
+        return out
+
+    ci = stratified_bootstrap_ci(
+        lambda groups: float(np.mean(differences(groups))), strata, n_boot=n_boot, seed=seed
+    )
+    return dict(
+        measure=measure,
+        reference=reference,
+        populations=names,
+        n_models=[len(g[2]) for g in strata],
+        per_population=dict(zip(names, differences(strata), strict=True)),
+        estimate=ci.estimate,
+        ci=[ci.low, ci.high],
+        n_boot=n_boot,
+        weighting="equal per population",
+    )
 
 
 def tau_curves(rows: Sequence[dict], measures: Sequence[str], n_boot: int = 500) -> dict:
