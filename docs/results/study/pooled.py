@@ -56,4 +56,6 @@ if __name__ == "__main__":
     result = pooled()
     write_json_atomic(HERE / "pooled.json", result)
     for m, r in result.items():
-        print(m, f"{r['estimate']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}]", r["per_population"])
+        print(
+            m, f"{r['estimate']:+.3f} [{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}]", r["per_population"]
+        )

@@ -37,8 +37,8 @@ __all__ = [
     "partial_tau",
     "reach_tau",
     "seed_noise_threshold",
-    "stratified_bootstrap_ci",
     "split_half",
+    "stratified_bootstrap_ci",
     "tau_difference",
 ]
 
