@@ -114,6 +114,7 @@ def test_trainer_callback_logs_with_the_trainer_s_metrics(tmp_path):
 
     metrics = trainer.evaluate(eval_dataset=train)  # at_evaluate: added to the metrics
     assert "sharpness/geodesic-inv" in metrics and "eval_loss" in metrics
+    assert [h["step"] for h in callback.history] == [2, 4]  # step 4 measured once
 
     # passed in callbacks=[...] without attach: the values still reach the log history
     plain = SharpnessCallback(batches, measures=["adaptive"], every_n_steps=4, n_iters=1)
