@@ -480,31 +480,32 @@ def test_per_layer_and_module_sharpness(make):
         assert sorted(n for names in blocks.values() for n in names) == sorted(trainable)
         owner = {n: b for b, names in blocks.items() for n in names}
         assert all(len({owner[n] for n in pair.params}) == 1 for pair in sym.pairs)
-    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=4), per="layer")
-    before = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
-    first, names = next(iter(before.parameters.items()))
-    alone = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv",
-                               **{**kw, "per": None}, parameters=names)  # fmt: skip
-    assert before.values[first] == alone.value
     moved = copy.deepcopy(case.model)
     geosharp.reparameterize(moved, sym, cond=10.0, seed=1)
-    after = geosharp.sharpness(moved, case.batches, case.loss_fn, "geodesic-inv", **kw)
-    adaptive = [
-        geosharp.sharpness(m, case.batches, case.loss_fn, "adaptive", **kw).values
-        for m in (case.model, moved)
-    ]
-    attention = [
-        b for b, names in before.parameters.items() if any(n in sym.parameters for n in names)
-    ]
-    assert attention and before.values.keys() == after.values.keys()
-    for block, value in before.values.items():
-        assert value > 0 and after.values[block] == pytest.approx(value, rel=1e-9), block
-    assert any(adaptive[1][b] != pytest.approx(adaptive[0][b], rel=1e-3) for b in attention)
+    for per in ("layer", "head"):
+        kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=4), per=per)
+        before = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
+        after = geosharp.sharpness(moved, case.batches, case.loss_fn, "geodesic-inv", **kw)
+        adaptive = [
+            geosharp.sharpness(m, case.batches, case.loss_fn, "adaptive", **kw).values
+            for m in (case.model, moved)
+        ]
+        touched = [b for b, names in before.parameters.items() if set(names) & set(sym.parameters)]
+        assert touched and before.values.keys() == after.values.keys()
+        for block, value in before.values.items():
+            assert value > 0 and after.values[block] == pytest.approx(value, rel=1e-9), block
+        assert any(adaptive[1][b] != pytest.approx(adaptive[0][b], rel=1e-3) for b in touched)
+    kw["per"] = "layer"
+    layers = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
+    first, names = next(iter(layers.parameters.items()))
+    alone = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv",
+                               **{**kw, "per": None}, parameters=names)  # fmt: skip
+    assert layers.values[first] == alone.value
     with pytest.raises(ValueError, match="drop parameters"):
         geosharp.sharpness(
             case.model, case.batches, case.loss_fn, "adaptive", **kw, parameters=names
         )
     with pytest.raises(ValueError, match="per must be one of"):
         geosharp.sharpness(
-            case.model, case.batches, case.loss_fn, "adaptive", **{**kw, "per": "head"}
+            case.model, case.batches, case.loss_fn, "adaptive", **{**kw, "per": "row"}
         )

@@ -100,9 +100,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--per",
-        choices=("layer", "module"),
-        help="also the sharpness of each layer (or module) with all other parameters fixed, "
-        "in the same geometry and radius: one measure per block",
+        choices=("layer", "module", "head"),
+        help="the sharpness of each layer, module or attention head with all other "
+        "parameters fixed, in the same geometry and radius: one measure per block",
     )
     p.add_argument(
         "--plot",

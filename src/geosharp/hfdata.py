@@ -255,6 +255,11 @@ def tokenized_batches(
                 f"(the tokenizer has {len(tokenizer)}): pass the tokenizer the model was "
                 "trained with (--tokenizer DIR)"
             )
+    if isinstance(vocab, int) and vocab > 0 and len(tokenizer) > vocab:
+        notes.append(
+            f"warning: the tokenizer has {len(tokenizer)} tokens and the model's vocabulary "
+            f"{vocab}: is it the tokenizer the model was trained with?"
+        )
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is not None:
         ids = torch.cat([b["input_ids"][b["attention_mask"].bool()] for b in batches])

@@ -14,7 +14,11 @@ its pairs:
   ``nn.Sequential``: the transformer blocks), and each module outside such containers
   (embeddings, pooler, head) whose subtree holds none;
 * ``per="module"``: each module that owns parameters (a linear layer, a norm), with
-  the projections of each attention module's pairs merged into that attention module.
+  the projections of each attention module's pairs merged into that attention module;
+* ``per="head"``: each attention head, the entries of its pair blocks (its rows of
+  the query, key and value projections and its columns of the output projection, with
+  their biases), measured as a subspace of those parameters (:func:`head_entries`).
+  The symmetry acts on each head alone, so these values are invariant too.
 
 Blocks of parameters shared between modules, or joined by a pair, are merged into one.
 """
@@ -24,13 +28,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from ..io import dumps
 
-__all__ = ["PER", "BlockSharpness", "parameter_blocks"]
+__all__ = ["PER", "BlockSharpness", "head_entries", "parameter_blocks"]
 
-PER = ("layer", "module")
+PER = ("layer", "module", "head")
 
 
 def parameter_blocks(model: nn.Module, per: str, pairs: Sequence = ()) -> dict[str, list[str]]:
@@ -42,8 +47,8 @@ def parameter_blocks(model: nn.Module, per: str, pairs: Sequence = ()) -> dict[s
     >>> parameter_blocks(net, "layer")
     {'0': ['0.weight', '0.bias'], '2': ['2.weight', '2.bias']}
     """
-    if per not in PER:
-        raise ValueError(f"per must be one of {', '.join(map(repr, PER))}, got {per!r}")
+    if per not in PER[:2]:
+        raise ValueError(f"per must be 'layer' or 'module' here, got {per!r} (heads: head_entries)")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("no parameter of the model requires grad: there is no block to measure")
@@ -74,6 +79,29 @@ def parameter_blocks(model: nn.Module, per: str, pairs: Sequence = ()) -> dict[s
     out: dict[str, list[str]] = {}
     for n in names:
         out.setdefault(root(block[n]) or "(model)", []).append(n)
+    return out
+
+
+def head_entries(pairs: Sequence) -> dict[str, dict[str, Tensor]]:
+    """``{"<module>.head<k>": {parameter: flat positions}}``: the entries of head ``k``'s
+    blocks in every pair of an attention module (per pair, ``"<module>:<kind>.head<k>"``,
+    when the module's pairs have different numbers of heads)."""
+    modules: dict[str, list] = {}
+    for pair in pairs:
+        modules.setdefault(pair.module, []).append(pair)
+    out: dict[str, dict[str, Tensor]] = {}
+    for module, specs in modules.items():
+        if len({p.shape[0] for p in specs}) == 1:
+            units = [(module, specs)]
+        else:
+            units = [(f"{module}:{p.kind}", [p]) for p in specs]
+        for name, group in units:
+            for k in range(group[0].shape[0]):
+                found: dict[str, list[Tensor]] = {}
+                for spec in group:
+                    for block in (*spec.g_blocks, *spec.h_blocks):
+                        found.setdefault(block.param, []).append(block.index[k].reshape(-1))
+                out[f"{name}.head{k}"] = {p: torch.unique(torch.cat(v)) for p, v in found.items()}
     return out
 
 

@@ -20,7 +20,7 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -35,7 +35,7 @@ from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate, auto_pgd
-from .blocks import PER, BlockSharpness, parameter_blocks
+from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, Estimator, WorstCase, estimator_from
 
 __all__ = ["SharpnessResult", "sharpness"]
@@ -121,6 +121,7 @@ def sharpness(
     strict: bool = False,
     nonfinite: str = "error",
     per: str | None = None,
+    entries: Mapping[str, Tensor] | None = None,
     **flat,
 ) -> SharpnessResult | BlockSharpness:
     """Measure the sharpness of ``model`` on ``batches``.
@@ -187,12 +188,19 @@ def sharpness(
             ``"inf"`` reports ``inf`` for that batch, and where in
             ``result.nonfinite``. Never a finite number: the supremum over a ball that
             holds such a point is not one.
-        per: ``"layer"`` or ``"module"``: the sharpness of each block of parameters with
+        per: ``"layer"``, ``"module"`` or ``"head"``: the sharpness of each block of parameters with
             all others fixed, in the same geometry and radius, as a
             :class:`~geosharp.measures.blocks.BlockSharpness` (blocks:
             :func:`~geosharp.measures.blocks.parameter_blocks`; attention pairs are kept
-            whole, so geodesic block values are symmetry-invariant). It costs one
+            whole, so geodesic block values are symmetry-invariant). ``"head"``: each
+            attention head (the rows and columns of its pair blocks). It costs one
             measure per block.
+        entries: ``{parameter name: flat positions}`` (int64 indices into
+            ``param.view(-1)``): perturb only these entries, the rest of the model
+            fixed (``parameters`` defaults to the names given). The ball is the
+            measure's ball in that subspace: the gradient and the random starts are
+            masked, which every geometry here keeps exact (element-wise parts are
+            diagonal, pair blocks are per head).
         **flat: the keywords of earlier versions, still accepted. The geometry piece by
             piece: ``geometry`` (``"euclidean"``, ``"adaptive"``, ``"geodesic"``,
             ``"geodesic-norm-only"``, ``"geodesic-curvature-only"``), ``metric``
@@ -222,6 +230,8 @@ def sharpness(
         raise ValueError(f"nonfinite must be 'error' or 'inf', got {nonfinite!r}")
     if per is not None:
         return _per_block(per, locals())
+    if entries is not None and parameters is None:
+        parameters = list(entries)
     estimator = _estimator(estimator, {k: flat[k] for k in _ESTIMATOR_KEYS if k in flat})
     geo, parameters = _geometry(
         measure, {k: flat[k] for k in _GEOMETRY_KEYS if k in flat}, parameters
@@ -264,12 +274,15 @@ def sharpness(
         dtype=str(dtype).removeprefix("torch."),
     )
     autocast = _autocast(device, autocast_dtype)
+    if entries is not None:
+        settings["entries"] = {n: len(i) for n, i in entries.items()}
 
     # (batch index, value, unperturbed loss, trace, value of each start, where a
     # perturbed loss was not finite)
     records = []
     with evaluation_mode(model):
         space = PerturbationSpace(theta, layout, pairs, geo, cache_scale=not low_memory)
+        mask = None if entries is None else _entry_mask(space, layout, entries)
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, named) if upcast else None
         )
@@ -294,13 +307,13 @@ def sharpness(
 
                 trace, per_start, broken = None, [], []
                 if worst:
-                    objective = _LossGrad(evaluate, layout, batch, autocast)
+                    objective = _LossGrad(evaluate, layout, batch, autocast, mask)
                     best = -math.inf
                     n_starts, first_random = estimator.runs
                     for start in range(n_starts):
                         xi0 = None
                         if start > 0 or first_random:
-                            xi0 = _scale_to(space, space.random(generator), rho)
+                            xi0 = _scale_to(space, _masked(space.random(generator), mask), rho)
                         value, _, run = auto_pgd(
                             objective,
                             space,
@@ -327,7 +340,7 @@ def sharpness(
                     point = space.empty()
                     with torch.no_grad(), autocast():
                         for sample in range(estimator.n_samples):
-                            xi = _scale_to(space, space.random(generator), rho)
+                            xi = _scale_to(space, _masked(space.random(generator), mask), rho)
                             space.retr_(xi, point)
                             loss = float(evaluate(layout.unflatten(point), batch))
                             steps.update()
@@ -376,6 +389,8 @@ def _per_block(per: str, arguments: dict) -> BlockSharpness:
     import inspect
 
     names = set(inspect.signature(sharpness).parameters) - {"per", "flat"}
+    if arguments["entries"] is not None:
+        raise ValueError("per measures blocks of its own: drop entries=")
     args = {k: v for k, v in arguments.items() if k in names}
     args.update(arguments["flat"])
     if per not in PER:
@@ -392,7 +407,16 @@ def _per_block(per: str, arguments: dict) -> BlockSharpness:
         args["symmetries"] = find_symmetries(
             args["model"], first, loss_fn=args["loss_fn"], warn=False
         )
-    groups = parameter_blocks(args["model"], per, args["symmetries"].pairs)
+    pairs = args["symmetries"].pairs
+    if per == "head":
+        heads = head_entries(pairs)
+        if not heads:
+            raise ValueError("per='head': no attention pairs were found, so there are no heads")
+        out = BlockSharpness(per, parameters={n: list(e) for n, e in heads.items()})
+        for name, entries in heads.items():
+            out.blocks[name] = sharpness(**{**args, "entries": entries})
+        return out
+    groups = parameter_blocks(args["model"], per, pairs)
     out = BlockSharpness(per, parameters=groups)
     for name, names in groups.items():
         out.blocks[name] = sharpness(**{**args, "parameters": names})
@@ -711,9 +735,9 @@ class _LossGrad:
     whose pages are first written here (a new one, on the CPU) costs no more memory than
     the gradients of a training step."""
 
-    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast):
+    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None):
         self.evaluate, self.layout = evaluate, layout
-        self.batch, self.autocast = batch, autocast
+        self.batch, self.autocast, self.mask = batch, autocast, mask
 
     def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
         leaves, targets, filled = {}, {}, set()
@@ -738,6 +762,8 @@ class _LossGrad:
         for leaf in leaves.values():  # parameters the loss does not reach
             if id(leaf) not in filled:
                 targets[id(leaf)].zero_()
+        if self.mask is not None:  # the entries measured; the rest stay fixed
+            out.mul_(self.mask)
         return _value(loss), out
 
 
@@ -798,6 +824,26 @@ def _batch_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return (x ^ (x >> 31)) >> 1
+
+
+def _entry_mask(space: PerturbationSpace, layout: ParameterLayout, entries) -> Tensor:
+    """A flat 0/1 vector: 1 at the ``entries`` of each parameter."""
+    mask = space.empty().zero_()
+    for name, index in entries.items():
+        if name not in layout.names:
+            raise ValueError(f"entries names {name!r}, which is not among the measured parameters")
+        size = math.prod(layout.shapes[layout.names.index(name)])
+        index = torch.as_tensor(index, dtype=torch.long, device=mask.device).reshape(-1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+            raise ValueError(f"entries of {name!r} fall outside its {size} elements")
+        mask[layout.offset(name) + index] = 1.0
+    if not bool(mask.any()):
+        raise ValueError("entries selects no element to perturb")
+    return mask
+
+
+def _masked(xi: Tensor, mask: Tensor | None) -> Tensor:
+    return xi if mask is None else xi.mul_(mask)
 
 
 def _scale_to(space: PerturbationSpace, xi: Tensor, rho: float) -> Tensor:
