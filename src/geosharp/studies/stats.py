@@ -132,14 +132,7 @@ def bootstrap_ci(
         value = float(statistic(*(x[idx] for x in arrays)))
         if np.isfinite(value):
             replicates.append(value)
-    if not replicates:
-        nan = float("nan")
-        return BootstrapCI(estimate, nan, nan, nan, level, 0)
-    reps = np.asarray(replicates)
-    alpha = 0.5 * (1.0 - level)
-    low, high = np.quantile(reps, [alpha, 1.0 - alpha])
-    std_error = float(reps.std(ddof=1)) if len(reps) > 1 else 0.0
-    return BootstrapCI(estimate, float(low), float(high), std_error, level, len(reps))
+    return _percentile_ci(estimate, replicates, level)
 
 
 def stratified_bootstrap_ci(
@@ -179,13 +172,19 @@ def stratified_bootstrap_ci(
         value = float(statistic(drawn))
         if np.isfinite(value):
             replicates.append(value)
+    return _percentile_ci(estimate, replicates, level)
+
+
+def _percentile_ci(estimate: float, replicates: list[float], level: float) -> BootstrapCI:
+    """The percentile interval of the finite ``replicates`` (NaN bounds when none)."""
     if not replicates:
         nan = float("nan")
         return BootstrapCI(estimate, nan, nan, nan, level, 0)
     reps = np.asarray(replicates)
     alpha = 0.5 * (1.0 - level)
     low, high = np.quantile(reps, [alpha, 1.0 - alpha])
-    return BootstrapCI(estimate, float(low), float(high), float(reps.std(ddof=1)), level, len(reps))
+    std_error = float(reps.std(ddof=1)) if len(reps) > 1 else 0.0
+    return BootstrapCI(estimate, float(low), float(high), std_error, level, len(reps))
 
 
 def kendall_tau_with_ci(
