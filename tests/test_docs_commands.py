@@ -72,18 +72,19 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
         for i in range(2):
             pixels = torch.randint(0, 256, (8, 8), dtype=torch.uint8).numpy()
             Image.fromarray(pixels).save(f"images/{c}/{i}.png")
+    from test_usage import _causal_lm
+
+    lm = _causal_lm(tmp_path / "lm")
+    Path("texts.txt").write_text("\n".join(r["text"] for r in rows) + "\n")
     budget = ["--n-points", "8", "--batch-size", "8", "--n-iters", "1", "--quiet"]
     ran = 0
     for argv in _commands(ROOT / "README.md"):
-        if (
-            argv[0] not in ("measure", "symmetries")
-            or "CHECKPOINT_DIR" not in argv
-            or "..." in argv
-        ):
+        placeholder = {"CHECKPOINT_DIR", "LM_DIR"} & set(argv)
+        if argv[0] not in ("measure", "symmetries") or not placeholder or "..." in argv:
             continue
-        checkpoint = vit_dir if "images/" in argv else bert_dir
-        argv = [str(checkpoint) if w == "CHECKPOINT_DIR" else w for w in argv]
+        checkpoint = vit_dir if "images/" in argv else lm if "LM_DIR" in argv else bert_dir
+        argv = [str(checkpoint) if w in placeholder else w for w in argv]
         assert main([*argv, *(budget if argv[0] == "measure" else [])]) == 0, argv
         ran += 1
     capsys.readouterr()
-    assert ran == 5 and json.loads(Path("out.json").read_text())["complete"] is True
+    assert ran == 6 and json.loads(Path("out.json").read_text())["complete"] is True

@@ -606,6 +606,75 @@ def _gpt2(path, **overrides):
     return path
 
 
+def _causal_lm(path, kind="gpt2"):
+    """A tiny causal LM (GPT-2, or LLaMA with grouped-query attention and rotary
+    embeddings) with a byte-level tokenizer that has no pad token."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPT2TokenizerFast,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2,
+                            n_positions=64, bos_token_id=256, eos_token_id=256)  # fmt: skip
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, bos_token_id=256, eos_token_id=256,
+                             pad_token_id=None)  # fmt: skip
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer = GPT2TokenizerFast(vocab=vocab, merges=[])
+    tokenizer.eos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_causal_lm_from_the_command_line(kind, tmp_path, capsys):
+    """A causal LM on a text file: the next-token loss with padding masked (what
+    transformers computes with labels -100 on padding), its symmetries found and used,
+    attention-only measurement; data that are not texts are refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = _causal_lm(tmp_path / kind, kind)
+    texts = ["the film was good", "a dull plot", "fun", "the actor was superb and the plot was fun"]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n\n")
+    argv = ["measure", str(ckpt), "--data", str(tmp_path / "texts.txt"), "--n-iters", "2",
+            "--measures", "adaptive,geodesic-inv,geodesic-inv-attn", "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)
+    assert "next-token loss" in captured.err and "padding with the end-of-text" in captured.err
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        reference = float(model(**enc, labels=labels).loss)
+    assert payload["fit"]["loss"] == pytest.approx(reference, rel=1e-5)
+    assert payload["fit"]["target_tokens"] == int(enc["attention_mask"][:, 1:].sum())
+    rows = {r["measure"]: r for r in payload["results"]}
+    assert rows["adaptive"]["loss"] == pytest.approx(reference, rel=1e-5)
+    assert payload["symmetries"]["pairs"] > 0 and payload["symmetries"]["ignored"] == []
+    assert all(r["value"] > 0 for r in rows.values())
+    torch.save({"input_ids": enc["input_ids"]}, tmp_path / "ids.pt")
+    capsys.readouterr()  # what loading the reference printed
+    line = _one_line_error(capsys, main([*argv[:3], str(tmp_path / "ids.pt")]))
+    assert "causal LM: give --data as texts" in line
+    line = _one_line_error(capsys, main([*argv, "--max-length", "1"]))
+    assert "no next token" in line
+
+
 def test_text_limits_and_pad_token(text_csv, tmp_path, capsys):
     """--max-length is capped at the model's positions, with the number of texts cut;
     a GPT-2 whose config has pad_token_id pads with it (without one: an error, in the

@@ -52,6 +52,14 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "or a datasets save_to_disk directory (text); an image folder root/<class>/<image>; "
         "or a .pt file holding a dict of input tensors with 'labels'",
     )
+    p.add_argument(
+        "--task",
+        choices=("auto", "classification", "causal-lm"),
+        default="auto",
+        help="what the checkpoint is: a classifier (or regression head), or a causal LM "
+        "measured with the next-token loss on texts; auto: from config.json's "
+        "architectures (default)",
+    )
     p.add_argument("--text-column", default="text", help="text column(s), 'a' or 'a,b' (text)")
     p.add_argument("--label-column", default="label", help="label column (default: label)")
     p.add_argument("--split", default="train", help="split of a datasets directory (train)")
@@ -221,6 +229,16 @@ def data_kind(source: str) -> str:
     )
 
 
+def resolve_task(option: str, config) -> str:
+    """The task of ``--task`` (``auto``: a causal LM when config.json's architectures
+    say so, else the classifier's task of :func:`geosharp.hfdata.task_of`)."""
+    from .hfdata import CAUSAL_LM, is_causal_lm, task_of
+
+    if option == "causal-lm" or (option == "auto" and is_causal_lm(config)):
+        return CAUSAL_LM
+    return task_of(config)
+
+
 def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
     """The measurement batches of ``--data`` for the model in ``path``, loaded as the
     checkpoint's owner made them (:mod:`geosharp.hfdata`), and the lines that say how
@@ -233,7 +251,7 @@ def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
     kind = data_kind(source)
     vision = is_vision(config)
     classes = int(getattr(config, "num_labels", 0) or 0)
-    task = hfdata.task_of(config)
+    task = resolve_task(args.task, config)
     is_image_source = source in BUILTIN_IMAGES or kind == "images"
     is_text_source = source == "rotten-tomatoes" or kind in ("table", "datasets")
     if vision and is_text_source:
@@ -241,6 +259,8 @@ def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
     if not vision and is_image_source:
         raise UsageError(f"--data {source} is image data but {args.model} is a text model")
 
+    if task == hfdata.CAUSAL_LM:
+        return _lm_batches(args, path, config)
     if kind == "pt":
         return _tensor_batches(source, n, args.batch_size, classes, task), []
     if task != hfdata.TASKS[0] and (is_image_source or source == "rotten-tomatoes"):
@@ -280,6 +300,34 @@ def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
         tokenizer, config, texts, labels, args.batch_size, args.max_length
     )
     return batches, [*notes, *more]
+
+
+def _lm_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
+    """Batches of texts for a causal LM (no labels: the next-token loss)."""
+    from . import data as datasets
+    from . import hfdata
+    from .hf import load_tokenizer
+
+    source, n = args.data, args.n_points
+    if source != "rotten-tomatoes" and data_kind(source) not in ("table", "datasets"):
+        raise UsageError(
+            f"{args.model} is a causal LM: give --data as texts (.txt, .csv, .tsv, .jsonl, "
+            "a datasets directory, or rotten-tomatoes)"
+        )
+    if "," in args.text_column:
+        raise UsageError("a causal LM reads one text column: give --text-column NAME")
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    if source == "rotten-tomatoes":
+        text = datasets.load_rotten_tomatoes()
+        order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
+        texts = [text.texts[i] for i in order[:n]]
+    else:
+        rows = datasets.read_texts(source, args.text_column, None, split=args.split, limit=n)
+        texts = rows.texts
+    batches, notes = hfdata.tokenized_batches(
+        tokenizer, config, texts, None, args.batch_size, args.max_length
+    )
+    return batches, ["texts: next-token loss, mean over the tokens (padding masked)", *notes]
 
 
 def _label_note(raw: list, ids: torch.Tensor) -> str:
@@ -410,8 +458,8 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int, task: st
 def run_measure(args) -> int:
     from . import distributed as gd
     from .data import move_batch
-    from .hf import check_weights, load_classifier, load_config, resolve_checkpoint
-    from .hfdata import preflight, task_loss
+    from .hf import check_weights, load_causal_lm, load_classifier, load_config, resolve_checkpoint
+    from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
     from .io import dumps, write_json_atomic
     from .measures import HESSIAN_TRACES, hessian_trace, sharpness
     from .symmetry import find_symmetries
@@ -451,17 +499,20 @@ def run_measure(args) -> int:
 
     rank, world = gd.init()  # under torchrun the batches are split over the ranks
     say = note if rank == 0 else (lambda _message: None)
-    loaded = load_classifier(path, seed=args.seed)
+    task = resolve_task(args.task, config)
+    causal = task == CAUSAL_LM
+    loaded = (load_causal_lm if causal else load_classifier)(path, seed=args.seed)
+    loss_fn = causal_lm_loss if causal else task_loss
     model = loaded.model.to(device)
     if loaded.new_parameters:
         say(
-            f"note: {args.model} has no trained classification head: "
+            f"note: {args.model} has no trained {'LM' if causal else 'classification'} head: "
             f"{', '.join(loaded.new_parameters)} initialised at random (--seed {args.seed}); "
             "the values describe that random head"
         )
     batches = [move_batch(b, device) for b in batches]
-    fit = preflight(model, batches, args.data)  # every input runs, before anything slow
-    symmetries = find_symmetries(model, batches[0], loss_fn=task_loss, warn=False)
+    fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
+    symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
     geodesic = [n for n in names if measure_uses_pairs(n)]
     if args.strict and geodesic and symmetries.ignored:
         _say_symmetry_status(symmetries, geodesic, True, say)  # raises, before anything
@@ -475,7 +526,7 @@ def run_measure(args) -> int:
         f"in {len(symmetries.attention)} attention modules"
         + (f" ({len(unknown)} more not understood)" if unknown else "")
         + f", {checked} of {len(symmetries.pairs)} pair blocks verified; "
-        f"{sum(len(b['labels']) for b in batches)} points in {len(batches)} batches "
+        f"{sum(len(next(iter(b.values()))) for b in batches)} points in {len(batches)} batches "
         f"on {device}" + (f", {world} processes" if world > 1 else "")
     )
     _say_symmetry_status(symmetries, geodesic, args.strict, say)
@@ -487,7 +538,7 @@ def run_measure(args) -> int:
         "settings": settings,
         "new_parameters": loaded.new_parameters,
         "loading": loading,
-        "fit": {"loss": fit.loss, "accuracy": fit.accuracy, "points": fit.n},
+        "fit": {"loss": fit.loss, "accuracy": fit.accuracy, fit.unit.replace(" ", "_"): fit.n},
         "symmetries": symmetry_payload(symmetries),
     }
     done = {r["measure"]: r for r in previous.get("results", [])}
@@ -512,7 +563,7 @@ def run_measure(args) -> int:
                 trace = hessian_trace(
                     model,
                     batches,
-                    task_loss,
+                    loss_fn,
                     HESSIAN_TRACES[name],
                     n_probes=args.n_probes,
                     seed=args.seed,
@@ -528,7 +579,7 @@ def run_measure(args) -> int:
                 result = sharpness(
                     model,
                     batches,
-                    task_loss,
+                    loss_fn,
                     rho=rhos[name],
                     kind=args.kind,
                     n_iters=args.n_iters,
@@ -656,7 +707,7 @@ def run_settings(args, rhos: dict[str, float]) -> dict:
 
     keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
             "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
-            "autocast", "nonfinite", "per")  # fmt: skip
+            "autocast", "nonfinite", "per", "task")  # fmt: skip
     settings = {k: getattr(args, k) for k in keys}
     settings.update(model=str(args.model), rho=rhos, version=__version__)
     return settings

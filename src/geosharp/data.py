@@ -131,7 +131,7 @@ def load_rotten_tomatoes(path: str | Path | None = None) -> TextData:
 
 # --------------------------------------------------------------------------- user data
 
-TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".txt")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
 
@@ -165,7 +165,7 @@ def is_image_folder(path: str | Path) -> bool:
 def read_texts(
     path: str | Path,
     text_column: str = "text",
-    label_column: str = "label",
+    label_column: str | None = "label",
     split: str = "train",
     limit: int | None = None,
 ) -> LabelledTexts:
@@ -173,8 +173,9 @@ def read_texts(
     directory (``save_to_disk``; ``split`` picks one split of a ``DatasetDict``).
 
     ``text_column`` may name two columns joined by a comma (``premise,hypothesis``):
-    the texts are then pairs, tokenised as sentence pairs. Only the first ``limit`` rows
-    are read."""
+    the texts are then pairs, tokenised as sentence pairs. ``label_column=None``: texts
+    alone (labels ``None``), and a ``.txt`` file is read too, one text per non-empty
+    line. Only the first ``limit`` rows are read."""
     path = Path(path)
     if not path.exists():
         raise MissingInputError(f"data not found: {path}")
@@ -187,21 +188,25 @@ def read_texts(
         rows = _utf8(path, lambda: _table_rows(path, limit))
     elif path.suffix.lower() in (".jsonl", ".json"):
         rows = _utf8(path, lambda: _json_lines(path, limit))
+    elif path.suffix.lower() == ".txt" and label_column is None:
+        lines = _utf8(path, lambda: path.read_text(encoding="utf-8-sig").splitlines())
+        rows = [{columns[0]: line} for line in lines if line.strip()][:limit]
     else:
         raise UsageError(
             f"cannot read {path}: text data must be a .csv, .tsv or .jsonl file or a "
-            "directory written by datasets' save_to_disk"
+            "directory written by datasets' save_to_disk (a causal LM also reads .txt)"
         )
     if not rows:
         raise UsageError(f"{path} holds no rows")
-    missing = [c for c in [*columns, label_column] if c not in rows[0]]
+    wanted = [*columns, *([label_column] if label_column is not None else [])]
+    missing = [c for c in wanted if c not in rows[0]]
     if missing:
         raise UsageError(
             f"{path} has no column {', '.join(map(repr, missing))} (columns: "
             f"{', '.join(map(str, rows[0]))}): name them with --text-column/--label-column"
         )
     for number, row in enumerate(rows, 1):
-        for column in (*columns, label_column):
+        for column in wanted:
             value = row[column]
             if value is None or (isinstance(value, str) and not value.strip()):
                 raise UsageError(
@@ -212,7 +217,8 @@ def read_texts(
         str(r[columns[0]]) if len(columns) == 1 else (str(r[columns[0]]), str(r[columns[1]]))
         for r in rows
     ]
-    return LabelledTexts(texts, [r[label_column] for r in rows])
+    labels = [r[label_column] if label_column is not None else None for r in rows]
+    return LabelledTexts(texts, labels)
 
 
 def _table_rows(path: Path, limit: int | None) -> list[dict]:

@@ -28,6 +28,7 @@ __all__ = [
     "has_tokenizer",
     "is_vision",
     "label_ids",
+    "load_causal_lm",
     "load_classifier",
     "load_config",
     "load_model",
@@ -215,6 +216,21 @@ def load_classifier(
     auto = (
         AutoModelForImageClassification if is_vision(config) else AutoModelForSequenceClassification
     )
+    return _load_auto(auto, path, num_labels, dtype, seed)
+
+
+def load_causal_lm(
+    name: str | Path, dtype: torch.dtype | None = torch.float32, seed: int = 0
+) -> LoadedClassifier:
+    """A causal language model (``AutoModelForCausalLM``) from a local checkpoint, in
+    eval mode, loaded as :func:`load_classifier` loads classifiers."""
+    from transformers import AutoModelForCausalLM
+
+    return _load_auto(AutoModelForCausalLM, resolve_checkpoint(name), None, dtype, seed)
+
+
+def _load_auto(auto, path: Path, num_labels, dtype, seed: int) -> LoadedClassifier:
+    config = load_config(path)
     kwargs = {}
     if num_labels is not None and getattr(config, "num_labels", None) != num_labels:
         kwargs = dict(num_labels=num_labels, ignore_mismatched_sizes=True)

@@ -36,7 +36,9 @@ from .errors import UsageError
 __all__ = [
     "TASKS",
     "Fit",
+    "causal_lm_loss",
     "folder_label_ids",
+    "is_causal_lm",
     "load_image_processor",
     "pixel_values",
     "preflight",
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 TASKS = ("single_label_classification", "regression", "multi_label_classification")
+CAUSAL_LM = "causal_lm"
 _GENERIC = re.compile(r"LABEL_\d+")
 
 
@@ -57,6 +60,45 @@ def task_of(config) -> str:
     if kind in TASKS:
         return kind
     return "regression" if getattr(config, "num_labels", 2) == 1 else TASKS[0]
+
+
+def is_causal_lm(config) -> bool:
+    """Whether a checkpoint's config says it is a causal language model (its
+    ``architectures``, as transformers' Auto classes read them: ``...ForCausalLM``,
+    ``...LMHeadModel``)."""
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
+def causal_lm_loss(model: nn.Module, batch: dict) -> Tensor:
+    """The next-token loss of a causal language model on a dict batch with
+    ``input_ids`` and ``attention_mask``: cross-entropy of the logits at position ``t``
+    against the token at ``t + 1``, averaged over the tokens whose target is not
+    padding (what transformers computes with ``labels`` set to -100 on padding).
+
+    >>> import torch
+    >>> class Uniform(torch.nn.Module):  # every next token equally likely, 5 tokens
+    ...     def forward(self, input_ids, attention_mask):
+    ...         return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 5)})()
+    >>> batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 0, 0]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    >>> round(float(causal_lm_loss(Uniform(), batch)), 4)  # log 5 over the 2 targets
+    1.6094
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    return _next_token(logits, batch["input_ids"], batch.get("attention_mask"))[0]
+
+
+def _next_token(logits: Tensor, ids: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The mean next-token loss and, per target token, whether the top logit is it."""
+    logits, targets = logits[:, :-1], ids[:, 1:]
+    keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask[:, 1:].bool()
+    if not bool(keep.any()):
+        raise UsageError("every text is one token long: no next token to predict")
+    flat = logits[keep]
+    loss = F.cross_entropy(flat.float() if flat.dtype != torch.float64 else flat, targets[keep])
+    return loss, flat.argmax(-1) == targets[keep]
 
 
 def task_loss(model: nn.Module, batch: dict) -> Tensor:
@@ -191,12 +233,14 @@ def regression_targets(labels: Sequence) -> Tensor:
 
 
 def tokenized_batches(
-    tokenizer, config, texts: list, labels: Tensor, batch_size: int, max_length: int
+    tokenizer, config, texts: list, labels: Tensor | None, batch_size: int, max_length: int
 ) -> tuple[list[dict], list[str]]:
     """Tokenised batches of ``texts`` (``(a, b)`` pairs: sentence pairs) and the lines
-    to show. ``max_length`` is capped at the tokenizer's and the model's position
-    limits, and the number of texts cut is said; a length too short for the special
-    tokens, a missing pad token, and ids outside the model's vocabulary are errors."""
+    to show; ``labels=None`` for a causal LM (no labels; its padding is masked out of
+    the loss, so a missing pad token is the end-of-text token). ``max_length`` is capped
+    at the tokenizer's and the model's position limits, and the number of texts cut is
+    said; a length too short for the special tokens (a causal LM: for a next token), a
+    classifier's missing pad token, and ids outside the model's vocabulary are errors."""
     notes: list[str] = []
     pairs = bool(texts) and isinstance(texts[0], tuple)
     first = [t[0] for t in texts] if pairs else list(texts)
@@ -219,8 +263,15 @@ def tokenized_batches(
             f"--max-length {max_length} leaves no room for text: the tokenizer adds {special} "
             f"special tokens; use at least {special + 1}"
         )
+    if labels is None and length - special < 2:
+        raise UsageError(
+            f"--max-length {max_length} leaves no next token to predict: use at least {special + 2}"
+        )
     if tokenizer.pad_token is None and batch_size > 1 and len(texts) > 1:
         pad = getattr(config, "pad_token_id", None)
+        if pad is None and labels is None and tokenizer.eos_token is not None:
+            pad = tokenizer.eos_token_id
+            notes.append("note: padding with the end-of-text token (masked out of the loss)")
         if pad is None:
             raise UsageError(
                 "the tokenizer has no pad token and config.json no pad_token_id, so texts of "
@@ -246,7 +297,10 @@ def tokenized_batches(
             max_length=length,
             return_tensors="pt",
         )
-        batches.append({**dict(enc), "labels": labels[start:end]})
+        batch = dict(enc)
+        if labels is not None:
+            batch["labels"] = labels[start:end]
+        batches.append(batch)
     if isinstance(vocab, int) and vocab > 0:
         top = max(int(b["input_ids"].max()) for b in batches)
         if top >= vocab:
@@ -282,12 +336,14 @@ class Fit:
     n: int
     notes: list[str] = field(default_factory=list)
 
+    unit: str = "points"
+
     def __str__(self) -> str:
         acc = "" if self.accuracy is None else f", accuracy {self.accuracy:.1%}"
-        return f"unperturbed loss {self.loss:.4g}{acc} on {self.n} points"
+        return f"unperturbed loss {self.loss:.4g}{acc} on {self.n} {self.unit}"
 
 
-def preflight(model: nn.Module, batches: list[dict], source: str) -> Fit:
+def preflight(model: nn.Module, batches: list[dict], source: str, task: str | None = None) -> Fit:
     """One forward pass over ``batches`` (no gradient) before anything slow: inputs the
     model's ``forward`` does not take, a forward that fails and a loss that is not
     finite are one-line errors; the result is the unperturbed loss and accuracy."""
@@ -309,7 +365,7 @@ def preflight(model: nn.Module, batches: list[dict], source: str) -> Fit:
             f"--data {source}: {type(model).__name__} {what}; its inputs are "
             f"{', '.join(inputs[:8])}{', ...' if len(inputs) > 8 else ''}"
         )
-    kind = task_of(getattr(model, "config", None))
+    kind = task or task_of(getattr(model, "config", None))
     total, right, count, n = 0.0, 0.0, 0, 0
     with torch.no_grad(), evaluation_mode(model):
         for batch in batches:
@@ -329,6 +385,11 @@ def preflight(model: nn.Module, batches: list[dict], source: str) -> Fit:
                     f"--data {source}: the model cannot run on it ({type(err).__name__}: "
                     f"{why}); check the inputs' names, shapes and dtypes"
                 ) from None
+            if kind == CAUSAL_LM:  # weighted by target tokens: the mean over all of them
+                loss, hits = _next_token(logits, batch["input_ids"], batch.get("attention_mask"))
+                total += float(loss) * len(hits)
+                right, count, n = right + float(hits.sum()), count + len(hits), n + len(hits)
+                continue
             labels = batch["labels"]
             size = len(labels)
             total += float(_loss(kind, logits, labels)) * size
@@ -344,4 +405,5 @@ def preflight(model: nn.Module, batches: list[dict], source: str) -> Fit:
         raise UsageError(
             f"--data {source}: the unperturbed loss is {loss}; check the model and the data"
         )
-    return Fit(loss, right / count if count else None, n)
+    unit = "target tokens" if kind == CAUSAL_LM else "points"
+    return Fit(loss, right / count if count else None, n, unit=unit)
