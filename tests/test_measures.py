@@ -509,3 +509,29 @@ def test_per_layer_and_module_sharpness(make):
         geosharp.sharpness(
             case.model, case.batches, case.loss_fn, "adaptive", **{**kw, "per": "row"}
         )
+
+
+def test_precision_floor_is_reported_and_a_value_near_it_is_warned_about():
+    """bf16 autocast at a radius where it moves the value by more than 10% against
+    float32: the floor (|L_bf16 - L_fp32| at theta) is in the result, a warning says
+    so and strict=True refuses; float32 reports its eps-floor and does not warn."""
+    import warnings
+
+    case = bert_case(torch.float32)
+    kw = dict(measure="adaptive", rho=1e-3, estimator=geosharp.WorstCase(n_iters=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", geosharp.PrecisionWarning)
+        full = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kw)
+    assert 0 < full.floor < 1e-6 and full.settings["precision"] == "float32"
+    assert full.settings["matmul_precision"] == "highest (CPU)"
+    with pytest.warns(geosharp.PrecisionWarning, match="round-off floor of the loss in bfloat16"):
+        half = geosharp.sharpness(
+            case.model, case.batches, case.loss_fn, autocast_dtype=torch.bfloat16, **kw
+        )
+    assert abs(half.value - full.value) > 0.1 * full.value and half.floor > 10 * full.floor
+    assert abs(half.value) < 10 * half.floor
+    with pytest.raises(geosharp.UsageError, match="round-off floor"):
+        geosharp.sharpness(case.model, case.batches, case.loss_fn, autocast_dtype=torch.bfloat16,
+                           strict=True, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="matmul_precision"):
+        geosharp.sharpness(case.model, case.batches, case.loss_fn, matmul_precision="tf32", **kw)

@@ -5,7 +5,7 @@ attention ("Hide & Seek", da Silva, Dangel & Oore, ICML 2025), next to Euclidean
 adaptive sharpness.
 """
 
-from .errors import SymmetryWarning, UsageError
+from .errors import PrecisionWarning, SymmetryWarning, UsageError
 from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
 from .measures import (
     DEFAULT_RHO,
@@ -42,6 +42,7 @@ __all__ = [
     "MixMetric",
     "PairSpec",
     "PerturbationSpace",
+    "PrecisionWarning",
     "SharpnessResult",
     "Symmetries",
     "SymmetryWarning",

@@ -7,6 +7,7 @@ a problem is reported as a :class:`~geosharp.errors.UsageError` (one line, exit 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MissingInputError, SymmetryWarning, UsageError
+from .errors import MissingInputError, PrecisionWarning, SymmetryWarning, UsageError
 from .options import (
     add_autocast,
     add_device,
@@ -554,6 +555,7 @@ def run_measure(args) -> int:
     # the lines above said what is not symmetry-correct: no Python warning repeats it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SymmetryWarning)
+        warnings.simplefilter("ignore", PrecisionWarning)
         for name in names:
             if name in done:
                 results.append(done[name])
@@ -608,6 +610,13 @@ def run_measure(args) -> int:
                 result = _Broken([w for b in result.blocks.values() for w in b.nonfinite])
             results.append(row)
             save(False)
+            floor = getattr(result, "floor", 0.0)
+            if floor and math.isfinite(row["value"]) and abs(row["value"]) < 10 * floor:
+                say(
+                    f"warning: {name} = {row['value']:.3g} is within 10x of the round-off floor "
+                    f"of the loss in {row['settings']['precision']} ({floor:.2g}): use float32 "
+                    "(no --autocast) or a larger --rho"
+                )
             if result.nonfinite:
                 say(
                     f"note: {name} is inf: a perturbed loss is not finite in "

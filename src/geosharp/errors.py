@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "MissingDependencyError",
     "MissingInputError",
+    "PrecisionWarning",
     "SymmetryWarning",
     "UsageError",
     "real_number",
@@ -55,3 +56,9 @@ class SymmetryWarning(UserWarning):
     """A measure or discovery says that part of a model's symmetry is not used: an
     attention module whose symmetry geosharp does not understand, or a pair that failed
     its check. The command line prints its own line instead."""
+
+
+class PrecisionWarning(UserWarning):
+    """A measured value is within 10x of the round-off floor of the loss at the
+    precision it was computed in: the perturbation is near what that precision can
+    see. The command line prints its own line instead."""

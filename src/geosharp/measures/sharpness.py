@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import SymmetryWarning, real_number
+from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..layout import ParameterLayout
@@ -50,7 +50,10 @@ class SharpnessResult:
     unperturbed loss, ``traces`` the Auto-PGD trace of each batch (worst case; of its
     best start), ``per_batch_starts`` each start's value per batch (several starts).
     ``nonfinite``: where a perturbed loss was not finite (``nonfinite="inf"``: the
-    value is then ``inf``, never a finite number).
+    value is then ``inf``, never a finite number). ``floor``: the round-off floor of the
+    loss at the precision used, per batch on average: under autocast ``|L(theta) -
+    L_float32(theta)|``, measured; otherwise ``eps * |L(theta)|`` of the dtype, a lower
+    bound. A value within 10x of it is warned about (``strict``: refused).
     """
 
     value: float
@@ -65,6 +68,7 @@ class SharpnessResult:
     per_batch_starts: list[list[float]] = field(default_factory=list)
     symmetry: dict = field(default_factory=dict)
     nonfinite: list[str] = field(default_factory=list)
+    floor: float = 0.0
 
     @property
     def symmetry_complete(self) -> bool:
@@ -122,6 +126,7 @@ def sharpness(
     nonfinite: str = "error",
     per: str | None = None,
     entries: Mapping[str, Tensor] | None = None,
+    matmul_precision: str = "highest",
     **flat,
 ) -> SharpnessResult | BlockSharpness:
     """Measure the sharpness of ``model`` on ``batches``.
@@ -181,7 +186,8 @@ def sharpness(
             more there) and each gradient's buffer is new (on the CPU its memory is then
             the training step's own). Same values.
         strict: raise instead of warning when a geodesic measure would treat attention
-            modules whose symmetry geosharp does not understand element-wise.
+            modules whose symmetry geosharp does not understand element-wise, or when
+            the value is within 10x of the loss's round-off floor (``result.floor``).
         nonfinite: what a perturbed loss that is not finite (NaN or infinite: the radius
             reaches where the model breaks down) makes of the value: ``"error"`` (the
             default) raises a ``FloatingPointError`` naming the batch and step;
@@ -195,6 +201,10 @@ def sharpness(
             whole, so geodesic block values are symmetry-invariant). ``"head"``: each
             attention head (the rows and columns of its pair blocks). It costs one
             measure per block.
+        matmul_precision: float32 matmuls on CUDA during the measure: ``"highest"``
+            (the default: TF32 off, whatever the training script set, since TF32 cannot
+            see small perturbations) or ``"as-set"`` (keep the process's setting).
+            Recorded in ``result.settings``.
         entries: ``{parameter name: flat positions}`` (int64 indices into
             ``param.view(-1)``): perturb only these entries, the rest of the model
             fixed (``parameters`` defaults to the names given). The ball is the
@@ -274,13 +284,22 @@ def sharpness(
         dtype=str(dtype).removeprefix("torch."),
     )
     autocast = _autocast(device, autocast_dtype)
+    if matmul_precision not in ("highest", "as-set"):
+        raise ValueError(
+            f"matmul_precision must be 'highest' or 'as-set', got {matmul_precision!r}"
+        )
+    settings["precision"] = (
+        f"{str(autocast_dtype).removeprefix('torch.')} autocast"
+        if autocast_dtype is not None
+        else str(dtype).removeprefix("torch.")
+    )
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
 
     # (batch index, value, unperturbed loss, trace, value of each start, where a
     # perturbed loss was not finite)
     records = []
-    with evaluation_mode(model):
+    with evaluation_mode(model), _matmuls(device, matmul_precision, settings):
         space = PerturbationSpace(theta, layout, pairs, geo, cache_scale=not low_memory)
         mask = None if entries is None else _entry_mask(space, layout, entries)
         evaluate = functional_loss(
@@ -304,6 +323,11 @@ def sharpness(
                 with autocast():
                     loss0 = evaluate(theta, batch)
                 loss0 = _checked_loss(loss0, "unperturbed")
+                if autocast_dtype is not None:  # what the precision does to the loss itself
+                    with torch.no_grad():
+                        floor = abs(loss0 - float(evaluate(theta, batch)))
+                else:
+                    floor = torch.finfo(dtype).eps * abs(loss0)
 
                 trace, per_start, broken = None, [], []
                 if worst:
@@ -351,7 +375,7 @@ def sharpness(
                     value = summed / estimator.n_samples - loss0
                     if not math.isfinite(value):
                         value = math.inf
-                records.append((index, value, loss0, trace, per_start, broken))
+                records.append((index, value, loss0, trace, per_start, broken, floor))
                 if broken and nonfinite == "error" and not distributed:
                     _nonfinite_error(label, rho, broken)
 
@@ -368,8 +392,11 @@ def sharpness(
     per_batch_starts = [r[4] for r in records] if worst and estimator.runs[0] > 1 else []
     if not values:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
+    floor = sum(r[6] for r in records) / len(records)
+    value = sum(values) / len(values)
+    _check_floor(label, rho, value, floor, settings["precision"], strict)
     return SharpnessResult(
-        value=sum(values) / len(values),
+        value=value,
         per_batch=values,
         loss=sum(losses) / len(losses),
         per_batch_loss=losses,
@@ -381,6 +408,7 @@ def sharpness(
         per_batch_starts=per_batch_starts,
         symmetry=report,
         nonfinite=broken,
+        floor=floor,
     )
 
 
@@ -441,6 +469,43 @@ def _counting(steps: Progress, callback):
             callback(event, i, iterate)
 
     return count
+
+
+@contextlib.contextmanager
+def _matmuls(device: torch.device, precision: str, settings: dict):
+    """Full-precision float32 matmuls on CUDA for the measure (``"highest"``), the
+    process's setting restored after; the precision used goes into ``settings``."""
+    before = torch.get_float32_matmul_precision()
+    cuda = device.type == "cuda"
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if precision == "highest" and cuda:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    settings["matmul_precision"] = torch.get_float32_matmul_precision() if cuda else "highest (CPU)"
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.set_float32_matmul_precision(before)
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def _check_floor(label: str, rho: float, value: float, floor: float, precision: str, strict: bool):
+    """Warn (``strict``: raise) when ``value`` is within 10x of the loss's round-off floor."""
+    if not (math.isfinite(value) and floor > 0 and abs(value) < 10 * floor):
+        return
+    message = (
+        f"{label} at rho={rho:g} is {value:.3g}, within 10x of the round-off floor of the loss "
+        f"in {precision} ({floor:.2g}): the perturbation is near what this precision can see; "
+        + (
+            "measure in float32 (no autocast) or with a larger rho"
+            if "autocast" in precision
+            else "measure in float64 or with a larger rho"
+        )
+    )
+    if strict:
+        raise UsageError(message)
+    warnings.warn(message, PrecisionWarning, stacklevel=4)
 
 
 def _nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
