@@ -139,10 +139,12 @@ class PairState(ABC):
         """``(G'', H'') = -Gamma(xi, xi)``, in ``xi``'s dtype."""
 
     @abstractmethod
-    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+    def sample(self, generator: torch.Generator | None = None, rows: Rows | None = None) -> Tangent:
         """A standard Gaussian in the metric (``E g(xi, a) g(xi, b) = g(a, b)``), drawn
         equivariantly: with the same generator state, the pairs ``(G A, H A^{-T})`` get
-        ``(xiG A, xiH A^{-T})``, so symmetry-related networks see related directions."""
+        ``(xiG A, xiH A^{-T})``, so symmetry-related networks see related directions.
+        On row shards (``reduce``), ``rows`` says which global rows are held here: the
+        draw is the whole pair's, restricted to them."""
 
     def project_horizontal(self, xi: Tangent) -> Tangent:
         """The g-orthogonal projection onto the horizontal space (float64 inside)."""
@@ -252,21 +254,21 @@ class InvState(PairState):
         aH = xH @ (Q_inv @ s(_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ s(_t(xH) @ xH))
         return aG, aH
 
-    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+    def sample(self, generator: torch.Generator | None = None, rows: Rows | None = None) -> Tangent:
         """``(W G, W' H)`` with standard Gaussian ``W`` (``n x n``) and ``W'`` (``m x m``):
         the rows of ``xiG`` are ``N(0, P)``. With ``eps > 0`` an independent
         ``sqrt(eps) Z`` makes them ``N(0, P + eps I)`` (equivariant up to ``O(eps)``)."""
-        _whole(self, "sample")
         G, H = self.G64, self.H64
-        xiG, xiH = _gaussian_products(G, H, G, H, generator)
+        xiG, xiH = _gaussian_products(G, H, G, H, generator, **_sharded(self, rows, "gh"))
         if self.eps:
             root = self.eps**0.5
-            xiG = xiG + root * torch.randn(
-                G.shape, generator=generator, dtype=G.dtype, device=G.device
-            )
-            xiH = xiH + root * torch.randn(
-                H.shape, generator=generator, dtype=H.dtype, device=H.device
-            )
+            noise = [
+                torch.randn(shape, generator=generator, dtype=G.dtype, device=G.device)
+                for shape in _whole_shapes(G, H, rows)
+            ]
+            if rows is not None:
+                noise = [_take_rows(x, r) for x, r in zip(noise, (rows.g, rows.h))]
+            xiG, xiH = xiG + root * noise[0], xiH + root * noise[1]
         return xiG, xiH
 
     def proju(self, xi: Tangent) -> Tangent:
@@ -392,11 +394,12 @@ class MixState(PairState):
         aH = (H @ s(_t(xG) @ xG) - xH @ s(_t(xG) @ G + _t(G) @ xG)) @ P_inv
         return aG, aH
 
-    def sample(self, generator: torch.Generator | None = None) -> Tangent:
+    def sample(self, generator: torch.Generator | None = None, rows: Rows | None = None) -> Tangent:
         """``(W H Q^{-1}, W' G P^{-1})``: rows ``N(0, Q^{-1})`` and ``N(0, P^{-1})``."""
-        _whole(self, "sample")
         G, H = self.G64, self.H64
-        return _gaussian_products(G, H, H @ self.Q_inv, G @ self.P_inv, generator)
+        return _gaussian_products(
+            G, H, H @ self.Q_inv, G @ self.P_inv, generator, **_sharded(self, rows, "hg")
+        )
 
     def proju(self, xi: Tangent) -> Tangent:
         return _project(self, xi)
@@ -519,24 +522,81 @@ def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str
     )
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a stack of pairs held by this process: ``g`` ``(B, n_local)`` and
+    ``h`` ``(B, m_local)`` global row numbers (``-1``: a zero phantom row), of ``n``
+    and ``m`` rows in all."""
+
+    g: Tensor
+    h: Tensor
+    n: int
+    m: int
+
+
+def _whole_shapes(G: Tensor, H: Tensor, rows: Rows | None) -> tuple[tuple, tuple]:
+    if rows is None:
+        return tuple(G.shape), tuple(H.shape)
+    return (G.shape[0], rows.n, G.shape[2]), (H.shape[0], rows.m, H.shape[2])
+
+
+def _take_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[b, rows[b]]`` per head ``b``, zero on phantom rows (``-1``)."""
+    out = torch.gather(x, 1, rows.clamp_min(0)[..., None].expand(-1, -1, x.shape[-1]))
+    return out.masked_fill_((rows < 0)[..., None], 0)
+
+
+def _sharded(state: PairState, rows: Rows | None, factors: str) -> dict:
+    """The keywords of :func:`_gaussian_products` on row shards: the global row counts,
+    the global rows of the two factors (``factors``: which side each factor's rows come
+    from) and of the output, and the sum over processes."""
+    if state.reduce is None:
+        return {}
+    if rows is None:
+        _whole(state, "sample")
+    side = {"g": (rows.g, rows.n), "h": (rows.h, rows.m)}
+    return {
+        "shards": (
+            (rows.n, rows.m),
+            (side[factors[0]], side[factors[1]]),
+            (rows.g, rows.h),
+            state.reduce,
+        )
+    }
+
+
 def _gaussian_products(
-    G: Tensor, H: Tensor, g_factor: Tensor, h_factor: Tensor, generator, chunk: int = 1 << 22
+    G: Tensor,
+    H: Tensor,
+    g_factor: Tensor,
+    h_factor: Tensor,
+    generator,
+    chunk: int = 1 << 22,
+    shards: tuple | None = None,
 ) -> Tangent:
     """``(W g_factor, W' h_factor)`` with standard Gaussian ``W`` (``n x n``), ``W'``
-    (``m x m``), drawn head by head in chunks of at most ``chunk`` numbers."""
-    heads, n, _ = G.shape
-    m = H.shape[1]
-    step = max(1, chunk // max(n * g_factor.shape[1], m * h_factor.shape[1]))
-    parts_g, parts_h = [], []
+    (``m x m``), drawn head by head in chunks of at most ``chunk`` numbers.
+
+    ``shards``: the factors hold some rows of the whole pair's (see :func:`_sharded`);
+    ``W`` is drawn whole, each process multiplies the columns of its factor rows, the
+    products are summed over processes and the rows held here kept: the same numbers
+    as the whole pair's."""
+    heads = G.shape[0]
+    n, m = G.shape[1], H.shape[1]
+    k_g, k_h = g_factor.shape[1], h_factor.shape[1]
+    if shards is not None:
+        (n, m), ((f_g, k_g), (f_h, k_h)), out_rows, total = shards
+    step = max(1, chunk // max(n * k_g, m * k_h))
+    parts: list[list[Tensor]] = [[], []]
     for start in range(0, heads, step):
         sl = slice(start, start + step)
         count = g_factor[sl].shape[0]
-        W = torch.randn(
-            count, n, g_factor.shape[1], generator=generator, dtype=G.dtype, device=G.device
-        )
-        parts_g.append(W @ g_factor[sl])
-        W = torch.randn(
-            count, m, h_factor.shape[1], generator=generator, dtype=G.dtype, device=G.device
-        )
-        parts_h.append(W @ h_factor[sl])
-    return torch.cat(parts_g), torch.cat(parts_h)
+        for i, (size, k, factor) in enumerate(((n, k_g, g_factor), (m, k_h, h_factor))):
+            W = torch.randn(count, size, k, generator=generator, dtype=G.dtype, device=G.device)
+            if shards is None:
+                parts[i].append(W @ factor[sl])
+                continue
+            cols = (f_g, f_h)[i][sl].clamp_min(0)  # phantom rows of a factor are zero
+            W = torch.gather(W, 2, cols[:, None, :].expand(-1, size, -1))
+            parts[i].append(_take_rows(total(W @ factor[sl]), out_rows[i][sl]))
+    return torch.cat(parts[0]), torch.cat(parts[1])

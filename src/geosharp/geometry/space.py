@@ -41,6 +41,7 @@ from ..layout import ParameterLayout
 from ..symmetry.pairs import PairSpec
 from .elementwise import Elementwise, ElementwiseSpace, dot, exp_step
 from .pairs import PairMetric, get_metric
+from .sharded import Shards, localize
 from .stacked import Pairs, PairSpace, StackedPairs, stack_pairs
 
 __all__ = [
@@ -186,15 +187,25 @@ class PerturbationSpace:
         pairs: Sequence[PairSpec],
         geometry: Geometry,
         cache_scale: bool = False,
+        shards: Shards | None = None,
     ):
         params = _parameter_views(theta, layout)
         first = params[layout.names[0]]
         self.dtype, self.device, self.numel = first.dtype, first.device, layout.numel
         self.layout = layout
         self.geometry = geometry
+        self.shards = shards
+        self._sum = (lambda t: t) if shards is None else shards.reduce
         self.pairs: PairSpace | None = None
         if geometry.pairs is not None:
-            self.pairs = PairSpace(geometry.pairs, pairs, layout, params, self.device)
+            stacks, reduce = None, None
+            if shards is not None:
+                if not isinstance(theta, Tensor):
+                    raise ValueError("a sharded space takes theta as the flat local vector")
+                stacks, reduce = localize(pairs, shards, theta, self.device), shards.reduce
+            self.pairs = PairSpace(
+                geometry.pairs, pairs, layout, params, self.device, stacks, reduce
+            )
         claimed = self.pairs.claimed(params) if self.pairs is not None else {}
         self.elementwise = ElementwiseSpace(
             geometry.elementwise, params, layout, claimed, cache_scale
@@ -250,7 +261,7 @@ class PerturbationSpace:
         """Euclidean ``<point - theta, y>`` (0-d, float64), the difference formed piece
         by piece (exact where ``point`` is near ``theta``; no cancellation of large dot
         products)."""
-        return self.elementwise.tangent_dot(point, y)
+        return self._sum(self.elementwise.tangent_dot(point, y))
 
     def scale_(self, x: Tensor, power: int = 1) -> Tensor:
         """``x <- c^power x`` in place (zero where ``c = 0``)."""
@@ -276,13 +287,13 @@ class PerturbationSpace:
     def dot(self, x: Tensor, y: Tensor) -> Tensor:
         """Euclidean ``<x, y>`` (0-d, float64), accumulated chunk by chunk in float64: a
         single float32 dot product of 10^8 entries can be off by 1e-3."""
-        return dot(x, y, self.elementwise.chunk)
+        return self._sum(dot(x, y, self.elementwise.chunk))
 
     # -- metric ---------------------------------------------------------------------------
 
     def inner(self, xi: Tensor, eta: Tensor) -> Tensor:
         """``g(xi, eta)`` (0-d tensor, float64)."""
-        total = self.elementwise.inner(xi, eta)
+        total = self._sum(self.elementwise.inner(xi, eta))
         return self._ball.inner(xi, eta, total) if self._ball is not None else total
 
     def norm(self, xi: Tensor) -> Tensor:
@@ -291,7 +302,8 @@ class PerturbationSpace:
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def linf_norm(self, xi: Tensor) -> Tensor:
-        return self.elementwise.linf_norm(xi)
+        best = self.elementwise.linf_norm(xi)
+        return best if self.shards is None else self.shards.reduce_max(best)
 
     def clamp_box_(self, xi: Tensor, rho: float) -> Tensor:
         """Clamp ``xi`` in place into the element-wise box ``|xi_j| <= rho c_j``."""
@@ -421,7 +433,17 @@ class PerturbationSpace:
         Pair blocks are drawn equivariantly (:meth:`PairState.sample`): with the same
         generator state, symmetry-related networks get symmetry-related samples.
         """
-        z = torch.randn(self.numel, generator=generator, dtype=self.dtype, device=self.device)
+        if self.shards is None:
+            z = torch.randn(self.numel, generator=generator, dtype=self.dtype, device=self.device)
+        else:  # the whole draw, sliced: the numbers a single process draws
+            whole = torch.randn(
+                self.shards.global_layout.numel,
+                generator=generator,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            z = self.shards.slice_(whole, self.empty())
+            del whole
         out = self.scale_(z)
         if self._ball is not None:
             self._ball.write_(out, self._ball.sample(generator))

@@ -120,6 +120,14 @@ class StackedPairs:
             flat.index_add_(0, index.reshape(-1), block.reshape(-1).to(flat.dtype), alpha=alpha)
         return flat
 
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """The flat positions of the ``G`` and ``H`` entries (1-D int64, new)."""
+        return self.g_index.reshape(-1), self.h_index.reshape(-1)
+
+    def sample(self, generator: torch.Generator | None) -> Blocks:
+        """A draw of :meth:`PairState.sample` for this stack."""
+        return self.state.sample(generator)
+
     def _strided(self, flat: Tensor) -> bool:
         return (
             self._segments[0] is not None
@@ -174,17 +182,22 @@ class PairSpace:
         layout: ParameterLayout,
         params: dict[str, Tensor],
         device: torch.device,
+        stacks: list[StackedPairs] | None = None,
+        reduce=None,
     ):
         self.factor = factor
         self.ball, self.geodesic = factor.ball, factor.geodesic
-        self.blocks = stack_pairs(pairs, layout, device)
+        self.layout = layout
+        self.reduce = reduce  # row shards: the sum over processes (else None)
+        self.blocks = stack_pairs(pairs, layout, device) if stacks is None else stacks
         self.set_states(params)
 
     def set_states(self, params: dict[str, Tensor]) -> None:
         """The pair states at ``params`` (views of the base point)."""
         self._params = params
+        extra = {} if self.reduce is None else {"reduce": self.reduce}
         for block in self.blocks:
-            state = self.factor.metric.state(*block.gather_params(params))
+            state = self.factor.metric.state(*block.gather_params(params), **extra)
             block.state = restrict_state(state, block.group)
 
     def claimed(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -193,15 +206,20 @@ class PairSpace:
         masks: dict[str, Tensor] = {}
         if not self.ball:
             return masks
+        offsets = torch.tensor(self.layout.offsets)
         for block in self.blocks:
-            for spec in block.specs:
-                for b in (*spec.g_blocks, *spec.h_blocks):
-                    theta = params[b.param]
-                    if b.param not in masks:
-                        masks[b.param] = torch.zeros(
+            for pos in block.positions():
+                pos = pos.cpu()
+                which = torch.bucketize(pos, offsets, right=True) - 1
+                for k in which.unique().tolist():
+                    name = self.layout.names[k]
+                    theta = params[name]
+                    if name not in masks:
+                        masks[name] = torch.zeros(
                             theta.numel(), dtype=torch.bool, device=theta.device
                         )
-                    masks[b.param][b.index.reshape(-1).to(theta.device)] = True
+                    local = pos[which == k] - self.layout.offsets[k]
+                    masks[name][local.to(theta.device)] = True
         return masks
 
     def read(self, flat: Tensor) -> list[Blocks]:
@@ -246,10 +264,10 @@ class PairSpace:
             for dx, gx in zip(d, g):
                 sq = sq + dot(dx.reshape(-1), gx.reshape(-1), 1 << 22)
             dirs.append(d)
-        return sq, dirs
+        return (sq if self.reduce is None else self.reduce(sq)), dirs
 
     def sample(self, generator: torch.Generator | None) -> list[Blocks]:
-        return [block.state.sample(generator) for block in self.blocks]
+        return [block.sample(generator) for block in self.blocks]
 
     # -- the step -------------------------------------------------------------------------
 

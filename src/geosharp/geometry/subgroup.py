@@ -81,8 +81,8 @@ class SubgroupState(PairState):
     def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
         return self.base.pullback(xi, u, saved)
 
-    def sample(self, generator: torch.Generator | None = None) -> Tangent:
-        return self.base.sample(generator)
+    def sample(self, generator: torch.Generator | None = None, rows=None) -> Tangent:
+        return self.base.sample(generator, rows)
 
     def _coordinates(self, R: Tensor) -> Tensor:
         """``tr(R E_a)`` for every basis element: ``(B, k)``."""

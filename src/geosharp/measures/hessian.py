@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import UsageError
+from ..fsdp import is_sharded
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..params import LossFunction, evaluation_mode, functional_loss
@@ -139,6 +141,11 @@ def hessian_trace(
     if geo.p != 2:
         raise ValueError("the Hessian trace needs a round ball (p=2), not the L-infinity box")
     batches, total, first = _peeked(batches)
+    if is_sharded(model):
+        raise UsageError(
+            "hessian_trace needs a double backward, which torch does not support through "
+            "FSDP2: compute it on the unsharded model"
+        )
     target = _target(model, geo, parameters, symmetries, probe=(first, loss_fn))
     layout, theta = target.layout, target.theta
     sums = torch.zeros(n_probes, dtype=torch.float64)

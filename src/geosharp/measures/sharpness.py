@@ -27,6 +27,15 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
+from ..fsdp import (
+    ShardedModel,
+    check_shardable,
+    is_sharded,
+    local_shards,
+    reshard,
+    symmetries_of,
+)
+from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..layout import ParameterLayout
@@ -263,7 +272,15 @@ def sharpness(
     rho = _checked_rho(rho)
     rank, world = _process_group(distributed)
     batches, total, first = _peeked(batches)
-    target = _target(model, geo, parameters, symmetries, probe=(first, loss_fn), strict=strict)
+    target = _target(
+        model,
+        geo,
+        parameters,
+        symmetries,
+        probe=(first, loss_fn),
+        strict=strict,
+        unsupported=(entries, distributed),
+    )
     report = _symmetry_report(target, geo)
     named, pairs, layout, dtype = target.named, target.pairs, target.layout, target.dtype
     theta, upcast, device = target.theta, target.upcast, target.device
@@ -299,19 +316,34 @@ def sharpness(
     # (batch index, value, unperturbed loss, trace, value of each start, where a
     # perturbed loss was not finite)
     records = []
-    with evaluation_mode(model), _matmuls(device, matmul_precision, settings):
-        space = PerturbationSpace(theta, layout, pairs, geo, cache_scale=not low_memory)
-        mask = None if entries is None else _entry_mask(space, layout, entries)
-        evaluate = functional_loss(
-            model, loss_fn, _float32_copies(model, named) if upcast else None
+    sharded, shown = None, rank == 0  # progress on one process
+    if target.shards is not None:
+        sharded = ShardedModel(model, named, target.local, layout, loss_fn)
+        shown = torch.distributed.get_rank() == 0
+        settings["sharded"] = torch.distributed.get_world_size()
+    with (
+        evaluation_mode(model),
+        _matmuls(device, matmul_precision, settings),
+        _restoring(sharded, theta),
+    ):
+        space = PerturbationSpace(
+            theta, layout, pairs, geo, cache_scale=not low_memory, shards=target.shards
         )
+        mask = None if entries is None else _entry_mask(space, layout, entries)
+        if sharded is not None:
+            evaluate = sharded.evaluate
+            theta = layout.unflatten(theta)
+        else:
+            evaluate = functional_loss(
+                model, loss_fn, _float32_copies(model, named) if upcast else None
+            )
         n_batches = total if max_batches is None or total is None else min(total, max_batches)
         mine = None if n_batches is None else -(-n_batches // world)  # this rank's share
         steps = Progress(
             total=None if mine is None else mine * _evaluations(estimator),
             desc=f"{geo.name} rho={rho:g}",
             unit="step",
-            enabled=progress and rank == 0,
+            enabled=progress and shown,
         )
         if steps.enabled:
             callback = _counting(steps, callback)
@@ -331,7 +363,11 @@ def sharpness(
 
                 trace, per_start, broken = None, [], []
                 if worst:
-                    objective = _LossGrad(evaluate, layout, batch, autocast, mask)
+                    objective = (
+                        _LossGrad(evaluate, layout, batch, autocast, mask)
+                        if sharded is None
+                        else sharded.loss_grad(batch, autocast)
+                    )
                     best = -math.inf
                     n_starts, first_random = estimator.runs
                     for start in range(n_starts):
@@ -429,6 +465,11 @@ def _per_block(per: str, arguments: dict) -> BlockSharpness:
     if subset is not None:
         raise ValueError(f"per measures every block: use {args['measure']!r} without '-attn'")
     check_model(args["model"])
+    if is_sharded(args["model"]):
+        raise UsageError(
+            "per= is not available on a sharded model: measure the blocks one by one with "
+            "parameters=[...] (or per= on the unsharded model)"
+        )
     batches, _, first = _peeked(args["batches"])
     args["batches"] = list(batches)  # read once per block
     if args["symmetries"] is None:  # the same blocks for every measure
@@ -469,6 +510,16 @@ def _counting(steps: Progress, callback):
             callback(event, i, iterate)
 
     return count
+
+
+@contextlib.contextmanager
+def _restoring(sharded: ShardedModel | None, theta):
+    """Write ``theta`` back into a sharded model's shards at the end, also on error."""
+    try:
+        yield
+    finally:
+        if sharded is not None:
+            sharded.restore(theta)
 
 
 @contextlib.contextmanager
@@ -595,9 +646,11 @@ class _Target:
     layout: ParameterLayout
     dtype: torch.dtype
     upcast: bool
-    theta: dict[str, Tensor]
+    theta: dict[str, Tensor] | Tensor
     device: torch.device
     symmetries: Symmetries | None = None
+    shards: Shards | None = None  # a sharded model: this process's slices
+    local: list[Tensor] = field(default_factory=list)  # ... the model's own
 
 
 def check_model(model: object) -> None:
@@ -625,15 +678,29 @@ def _target(
     symmetries: Symmetries | None,
     probe: tuple[object, LossFunction] | None = None,
     strict: bool = False,
+    unsupported: tuple = (None, False),
 ) -> _Target:
     """The perturbed parameters and their pairs. Without ``symmetries``, they are found
     (:func:`find_symmetries`, on ``probe = (batch, loss_fn)`` when given) only where the
     measure uses pairs: its geometry has a pair factor, or ``parameters="pairs"``. A
     geometry with a pair factor on a model whose attention symmetry is partly not
-    understood warns once (``strict``: raises)."""
+    understood warns once (``strict``: raises). A sharded model (FSDP2) gives this
+    process's slices (:mod:`geosharp.fsdp`); ``unsupported = (entries, distributed)``
+    are refused there."""
     check_model(model)
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
+    sharded = is_sharded(model)
+    if sharded:
+        reshard(model)
+        if symmetries is None:
+            symmetries = symmetries_of(model)
     if symmetries is None and (geo.metric is not None or pairs_only):
+        if sharded:
+            raise UsageError(
+                "a sharded model's symmetries are found before sharding: pass "
+                "symmetries=geosharp.find_symmetries(model, batch, loss_fn=...) found on the "
+                "unsharded model, or shard it with geosharp.fsdp.shard(model, symmetries)"
+            )
         if probe is not None:
             batch, loss_fn = probe
             symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
@@ -648,12 +715,20 @@ def _target(
         else []
     )
     dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
+    if geo.metric is not None and symmetries is not None:
+        _say_ignored(symmetries, _label(geo), strict)
+    if sharded:  # theta: a flat copy of this process's slices (the model holds the point)
+        check_shardable(dtype, *unsupported)
+        shards, local = local_shards(named)
+        theta = torch.cat([t.detach().reshape(-1) for t in local])
+        device = local[0].device
+        return _Target(
+            named, pairs, shards.local, dtype, False, theta, device, symmetries, shards, local
+        )
     upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
         dtype = torch.float32
     theta = {n: t.detach().to(dtype) for n, t in named}
-    if geo.metric is not None and symmetries is not None:
-        _say_ignored(symmetries, _label(geo), strict)
     return _Target(
         named,
         pairs,

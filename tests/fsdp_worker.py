@@ -1,0 +1,131 @@
+"""Worker for tests/test_fsdp.py (run under torchrun): every case is measured on the
+unsharded model and on the same model sharded with geosharp.fsdp.shard; rank 0 writes
+the values and the model check to ``argv[1]`` as JSON."""
+
+import copy
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+import geosharp  # noqa: E402
+from geosharp import distributed as gd  # noqa: E402
+from geosharp import fsdp  # noqa: E402
+
+
+def bert(dtype, heads=4):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=heads, intermediate_size=24,
+                        max_position_embeddings=16, num_labels=3,
+                        attn_implementation="eager")  # fmt: skip
+    model = BertForSequenceClassification(config).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        {"input_ids": torch.randint(0, 40, (6, 8), generator=g),
+         "labels": torch.randint(0, 3, (6,), generator=g)}
+        for _ in range(2)
+    ]  # fmt: skip
+    return model, batches
+
+
+def llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                         max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
+    model = LlamaForCausalLM(config).to(dtype)
+    g = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": (ids := torch.randint(0, 48, (4, 10), generator=g)), "labels": ids}
+               for _ in range(2)]  # fmt: skip
+    return model, batches
+
+
+def loss_fn(model, batch):
+    return model(**batch).loss
+
+
+CASES = {
+    "worst": dict(n_iters=4),
+    "worst-random": dict(n_iters=3, random_start=True, seed=3),
+    "average": dict(kind="average", n_samples=3, seed=5),
+}
+MEASURES = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01, "euclidean": 0.01}
+
+
+def errors():
+    """What a sharded model that geosharp cannot measure gets: the messages."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    model, batches = bert(torch.float64, heads=2)  # a head of 8 rows on 4 processes of 4
+    symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    for key, kw in {"no symmetries": {}, "split rows": {"symmetries": symmetries}}.items():
+        try:
+            geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", n_iters=1, **kw)
+            out[key] = None
+        except geosharp.UsageError as e:
+            out[key] = str(e)
+    adaptive = geosharp.sharpness(model, batches, loss_fn, "adaptive", n_iters=2)
+    out["adaptive needs no pairs"] = adaptive.value
+    for key, call in {
+        "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
+        "per": lambda: geosharp.sharpness(model, batches, loss_fn, "adaptive", per="layer"),
+    }.items():
+        try:
+            call()
+            out[key] = None
+        except geosharp.UsageError as e:
+            out[key] = str(e)
+    return out
+
+
+def main():
+    out, which = sys.argv[1], sys.argv[2:]
+    rank, world = gd.init()
+    results = {}
+    if "errors" in which:
+        which.remove("errors")
+        results["errors"] = errors()
+    for name in which:
+        arch, dtype = name.split("-")
+        model, batches = {"bert": bert, "llama": llama}[arch](getattr(torch, dtype))
+        symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+        plain = copy.deepcopy(model)
+        fsdp.shard(model, symmetries)
+        before = [p.to_local().clone() for p in model.parameters()]
+        for measure, rho in MEASURES.items():
+            for case, kw in CASES.items():
+                if arch == "llama" and case != "worst" and measure == "euclidean":
+                    continue
+                one = geosharp.sharpness(plain, batches, loss_fn, measure, rho=rho, **kw)
+                many = geosharp.sharpness(model, batches, loss_fn, measure, rho=rho, **kw)
+                results[f"{name}/{measure}/{case}"] = {
+                    "one": one.per_batch, "many": many.per_batch,
+                    "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
+                }  # fmt: skip
+        for measure in ("adaptive-attn", "geodesic-inv-attn"):  # the pairs only
+            one = geosharp.sharpness(plain, batches, loss_fn, measure, rho=0.05, n_iters=3)
+            many = geosharp.sharpness(model, batches, loss_fn, measure, rho=0.05, n_iters=3)
+            results[f"{name}/{measure}/worst"] = {
+                "one": one.per_batch, "many": many.per_batch,
+                "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
+            }  # fmt: skip
+        same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+        grads = all(p.grad is None for p in model.parameters())
+        results[f"{name}/model unchanged"] = bool(same and grads)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"world": world, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Sharpness of an FSDP2-sharded model equals the unsharded model's in one process.
+
+``fsdp_worker.py`` runs under ``torchrun`` with 2 and 4 gloo processes (one thread
+each): a BERT and a LLaMA-style model (grouped-query attention, rotary embeddings), in
+float64 and float32, measured unsharded and then sharded with
+:func:`geosharp.fsdp.shard`, for adaptive, ``geodesic-inv``, ``geodesic-mix`` and
+Euclidean sharpness, worst case from zero and from a random start, and average case.
+BERT's query/key/value biases are cut by heads, so each head's bias row is held by
+one process (a zero phantom row on the other).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import run_python
+
+WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
+RUNS = {2: ["bert-float64", "llama-float32"], 4: ["errors", "llama-float64"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for nproc, names in RUNS.items():
+        path = tmp_path_factory.mktemp(f"fsdp{nproc}") / "results.json"
+        run_python([str(WORKER), str(path), *names], nproc=nproc)
+        out[nproc] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("nproc", sorted(RUNS))
+def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, nproc):
+    data = runs[nproc]
+    assert data["world"] == nproc
+    results = data["results"]
+    for name in RUNS[nproc]:
+        if name == "errors":
+            continue
+        assert results[f"{name}/model unchanged"] is True
+        cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
+        assert len(cases) >= 10, cases.keys()
+        tol = TOLERANCE[name.split("-")[1]]
+        for key, case in cases.items():
+            assert case["world"] == nproc, key
+            assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-12)
+            for one, many in zip(case["one"], case["many"], strict=True):
+                assert abs(many - one) <= tol * abs(one), (key, one, many)
+
+
+def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
+    """Four processes on a 2-head BERT sharded by FSDP2's default (``Shard(0)``): each
+    query head's 8 weight rows are cut over two processes; without symmetries found
+    before sharding a geodesic measure cannot start; adaptive needs no pairs."""
+    messages = runs[4]["results"]["errors"]
+    assert "found before sharding" in messages["no symmetries"]
+    split = messages["split rows"]
+    assert "split across processes" in split and "query.weight" in split
+    assert "geosharp.fsdp.shard" in split
+    assert messages["adaptive needs no pairs"] > 0
+    assert "double backward" in messages["hessian"]
+    assert "per= is not available on a sharded model" in messages["per"]
