@@ -64,3 +64,26 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert messages["adaptive needs no pairs"] > 0
     assert "double backward" in messages["hessian"]
     assert "per= is not available on a sharded model" in messages["per"]
+
+
+def test_the_docs_show_the_committed_benchmark_and_projection():
+    """docs/performance.md's tables are ``benchmarks/projection.py``'s rendering of the
+    committed benchmark output, and the README's ranges are read from it."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import projection
+    finally:
+        sys.path.pop(0)
+    bench = json.loads((root / "docs/results/fsdp/bench_fsdp_mmap.json").read_text())
+    assert bench["mmap_threshold"] and {r["processes"] for r in bench["rows"]} == {1, 2, 4}
+    docs = (root / "docs/performance.md").read_text()
+    assert projection.measured(bench) in docs and projection.table(bench) in docs
+    readme = " ".join((root / "README.md").read_text().split())
+    for low in (False, True):
+        values = [r["buffers_per_process"] for r in bench["rows"] if r["low_memory"] == low]
+        assert f"{min(values):.1f}-{max(values):.1f}" in readme
+    ratios = [r["step_over_forward_backward"] for r in bench["rows"]]
+    assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme

@@ -675,6 +675,27 @@ def test_causal_lm_from_the_command_line(kind, tmp_path, capsys):
     assert "no next token" in line
 
 
+def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
+    """``torchrun ... geosharp measure --fsdp``: a LLaMA (grouped-query attention,
+    rotary) sharded over 2 processes gets the values of one process; without torchrun
+    --fsdp is a one-line error."""
+    from launch import run_python
+
+    ckpt = _causal_lm(tmp_path / "llama", "llama")
+    (tmp_path / "texts.txt").write_text("the film was good\na dull plot\nfun\nthe plot\n")
+    base = ["-m", "geosharp.cli", "measure", str(ckpt), "--data", str(tmp_path / "texts.txt"),
+            "--n-iters", "2", "--batch-size", "2", "--measures", "adaptive,geodesic-inv",
+            "--json", "-", "--quiet"]  # fmt: skip
+    one = json.loads(run_python(base, 1))
+    sharded = json.loads(run_python([*base, "--fsdp"], 2))
+    for a, b in zip(one["results"], sharded["results"], strict=True):
+        assert b["settings"]["sharded"] == 2
+        assert b["per_batch"] == pytest.approx(a["per_batch"], rel=1e-4)
+    capsys.readouterr()  # what saving the checkpoint printed
+    line = _one_line_error(capsys, main([*base[2:-1], "--fsdp"]))
+    assert "--fsdp shards the model over torchrun's processes" in line
+
+
 def test_text_limits_and_pad_token(text_csv, tmp_path, capsys):
     """--max-length is capped at the model's positions, with the number of texts cut;
     a GPT-2 whose config has pad_token_id pads with it (without one: an error, in the

@@ -124,6 +124,13 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         help="continue the --json file of a run that was stopped: the measures it holds "
         "are kept, the rest measured (its settings must be these)",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the model over the processes with FSDP2 "
+        "(geosharp.fsdp.shard) instead of splitting the batches, for a model too large "
+        "for one device; every process runs every batch, the values are one process's",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress reports")
     p.add_argument(
         "--strict",
@@ -485,6 +492,15 @@ def run_measure(args) -> int:
     if args.per and any(n in HESSIAN_TRACES for n in names):
         traces = [n for n in names if n in HESSIAN_TRACES]
         raise UsageError(f"--per measures sharpness per block; drop {traces[0]} from --measures")
+    if args.fsdp:
+        if "WORLD_SIZE" not in os.environ:
+            raise UsageError(
+                "--fsdp shards the model over torchrun's processes: launch with torchrun "
+                "--nproc_per_node=N -m geosharp.cli measure ... (or drop --fsdp)"
+            )
+        if args.per or any(n in HESSIAN_TRACES for n in names):
+            what = "--per" if args.per else next(n for n in names if n in HESSIAN_TRACES)
+            raise UsageError(f"{what} is not available with --fsdp: drop one of them")
     if args.plot:
         from .studies.figures import require_matplotlib
 
@@ -514,6 +530,11 @@ def run_measure(args) -> int:
     batches = [move_batch(b, device) for b in batches]
     fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
     symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
+    if args.fsdp:
+        from .fsdp import shard
+
+        n_parameters = sum(p.numel() for p in model.parameters())
+        shard(model, symmetries)
     geodesic = [n for n in names if measure_uses_pairs(n)]
     if args.strict and geodesic and symmetries.ignored:
         _say_symmetry_status(symmetries, geodesic, True, say)  # raises, before anything
@@ -522,13 +543,17 @@ def run_measure(args) -> int:
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
     checked = sum(1 for p in symmetries.pairs if p.name in symmetries.verified)
     unknown = [u for u in symmetries.unrecognized if u not in symmetries.attention]
+    if not args.fsdp:
+        n_parameters = sum(p.numel() for p in model.parameters())
     say(
-        f"{path}: {sum(p.numel() for p in model.parameters()):,} parameters, {n_pairs} pairs "
+        f"{path}: {n_parameters:,} parameters, {n_pairs} pairs "
         f"in {len(symmetries.attention)} attention modules"
         + (f" ({len(unknown)} more not understood)" if unknown else "")
         + f", {checked} of {len(symmetries.pairs)} pair blocks verified; "
         f"{sum(len(next(iter(b.values()))) for b in batches)} points in {len(batches)} batches "
-        f"on {device}" + (f", {world} processes" if world > 1 else "")
+        f"on {device}"
+        + (f", {world} processes" if world > 1 else "")
+        + (" (the model sharded with FSDP2)" if args.fsdp else "")
     )
     _say_symmetry_status(symmetries, geodesic, args.strict, say)
 
@@ -590,7 +615,7 @@ def run_measure(args) -> int:
                     symmetries=symmetries,
                     progress=not args.quiet and rank == 0,
                     autocast_dtype=autocast_dtype(args.autocast),
-                    distributed=world > 1,
+                    distributed=world > 1 and not args.fsdp,
                     measure=name,
                     strict=args.strict,
                     nonfinite=args.nonfinite,

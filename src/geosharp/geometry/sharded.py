@@ -17,6 +17,7 @@ parameter when a row would be cut across processes.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,10 +25,10 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from ..layout import ParameterLayout
+from ..layout import ParameterLayout, _view, strided_segments, write_strided
 from ..symmetry.pairs import PairSpec
 from .pairs import Rows
-from .stacked import StackedPairs, stack_pairs
+from .stacked import StackedPairs
 
 __all__ = ["ShardedStack", "Shards", "localize"]
 
@@ -84,70 +85,130 @@ class Shards:
 
 class ShardedStack(StackedPairs):
     """The rows held here of a :class:`~geosharp.geometry.stacked.StackedPairs`: blocks
-    ``(B, n_local, h)`` read and written through explicit positions, ``-1`` on phantom
-    rows. ``rows`` are the global row numbers of the local rows (``-1``: phantom),
-    ``whole`` the global ``(n, m)``, for the sampler."""
+    ``(B, n_local, h)``, zero on phantom rows (never written). Read and written through
+    strided views of the held rows where they allow, else through explicit positions.
+    ``rows`` are the global row numbers of the local rows (``-1``: phantom), ``whole``
+    the global ``(n, m)``, for the sampler."""
 
     def __init__(
         self,
-        base: StackedPairs,
+        specs: list[PairSpec],
+        group: str,
+        whole: tuple[int, int],
         g_local: Tensor,
         h_local: Tensor,
         rows: tuple[Tensor, Tensor],
         theta: Tensor,
+        device: torch.device,
     ):
-        self.specs, self.layout, self.device, self.group = (
-            base.specs,
-            None,
-            base.device,
-            base.group,
-        )
+        self.specs, self.layout, self.device, self.group = specs, None, device, group
         self.state = None
-        self._index = (g_local.to(self.device), h_local.to(self.device))
-        self._valid = tuple((i >= 0) for i in self._index)
-        self._positions = tuple(i[v] for i, v in zip(self._index, self._valid))
         self.rows = tuple(r.to(self.device) for r in rows)
-        self.whole = (base.shapes[0][1], base.shapes[1][1])
+        self.whole = whole
         self.shapes = (g_local.shape, h_local.shape)
-        self._segments = (None, None)
+        self._phantom = tuple((r < 0).to(self.device) for r in self.rows)
+        segments = tuple(_held_segments(i) for i in (g_local, h_local))
+        if all(s is not None for s in segments):
+            self._segments, self._index = segments, None
+        else:
+            self._segments = (None, None)
+            self._index = (g_local.to(self.device), h_local.to(self.device))
         self._theta = theta
 
     @property
     def g_index(self) -> Tensor:
-        return self._index[0]
+        return self._explicit()[0]
 
     @property
     def h_index(self) -> Tensor:
-        return self._index[1]
+        return self._explicit()[1]
+
+    def _explicit(self) -> tuple[Tensor, Tensor]:
+        """The ``(B, n, h)`` local positions, ``-1`` on phantom rows."""
+        if self._index is not None:
+            return self._index
+        out = []
+        for segs, shape in zip(self._segments, self.shapes):
+            index = torch.full(shape, -1, dtype=torch.long)
+            for b0, nb, r0, nr, offset, sb, sr, sc in segs:
+                b = torch.arange(nb)[:, None, None] * sb
+                r = torch.arange(nr)[None, :, None] * sr
+                c = torch.arange(shape[-1])[None, None, :] * sc
+                index[b0 : b0 + nb, r0 : r0 + nr] = offset + b + r + c
+            out.append(index.to(self.device))
+        return out[0], out[1]
 
     def positions(self) -> tuple[Tensor, Tensor]:
-        return self._positions
+        return tuple(i[i >= 0] for i in self._explicit())  # type: ignore[return-value]
 
     def gather(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        if self._index is None and self._strided(flat):
+            out = []
+            for segs, shape in zip(self._segments, self.shapes):
+                block = torch.zeros(shape, dtype=flat.dtype, device=flat.device)
+                for seg in segs:
+                    b0, nb, r0, nr = seg[:4]
+                    block[b0 : b0 + nb, r0 : r0 + nr].copy_(_view(flat, seg, shape[-1]))
+                out.append(block)
+            return out[0], out[1]
         return tuple(  # type: ignore[return-value]
-            flat[i.clamp_min(0)].masked_fill_(~v, 0) for i, v in zip(self._index, self._valid)
+            flat[i.clamp_min(0)].masked_fill_((i < 0), 0) for i in self._explicit()
         )
 
     def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         return self.gather(self._theta)
 
+    def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
+        """``(positions, values)`` of the held entries of ``blocks``."""
+        out = []
+        for index, block in zip(self._explicit(), blocks):
+            held = index >= 0
+            out.append((index[held], block[held]))
+        return out
+
     def scatter(self, flat: Tensor, blocks) -> Tensor:
-        for pos, valid, block in zip(self._positions, self._valid, blocks):
-            flat = flat.index_copy(0, pos, block[valid])
+        for pos, values in self._held(blocks):
+            flat = flat.index_copy(0, pos, values)
         return flat
 
     def scatter_(self, flat: Tensor, blocks) -> Tensor:
-        for pos, valid, block in zip(self._positions, self._valid, blocks):
-            flat.index_copy_(0, pos, block[valid].to(flat.dtype))
+        if self._index is None and self._strided(flat):
+            for segs, block in zip(self._segments, blocks):
+                write_strided(flat, segs, block.to(flat.dtype), accumulate=False)
+            return flat
+        for pos, values in self._held(blocks):
+            flat.index_copy_(0, pos, values.to(flat.dtype))
         return flat
 
     def add_(self, flat: Tensor, blocks, alpha: float = 1.0) -> Tensor:
-        for pos, valid, block in zip(self._positions, self._valid, blocks):
-            flat.index_add_(0, pos, block[valid].to(flat.dtype), alpha=alpha)
+        if self._index is None and self._strided(flat):
+            for segs, block in zip(self._segments, blocks):
+                write_strided(flat, segs, block.to(flat.dtype), accumulate=True, alpha=alpha)
+            return flat
+        for pos, values in self._held(blocks):
+            flat.index_add_(0, pos, values.to(flat.dtype), alpha=alpha)
         return flat
 
     def sample(self, generator: torch.Generator | None):
-        return self.state.sample(generator, Rows(*self.rows, *self.whole))
+        return self.state.sample(generator, rows=Rows(*self.rows, *self.whole))
+
+
+def _held_segments(index: Tensor) -> list | None:
+    """Strided views (:func:`~geosharp.layout.strided_segments`) of the held rows of a
+    local ``(B, n, h)`` index whose phantom rows are ``-1``, or ``None``. Phantom rows
+    get distinct, increasing negative positions, so that they form segments of their
+    own (never merged with held rows), which are then left out."""
+    index = index.cpu()
+    phantom = index[..., 0] < 0
+    if bool(phantom.any()):
+        B, n, h = index.shape
+        base = -(10**15) + torch.arange(B)[:, None] * 10**9 + torch.arange(n)[None, :] * h
+        index = index.clone()
+        index[phantom] = base[phantom][:, None] + torch.arange(h)
+    segments = strided_segments(index)
+    if segments is None:
+        return None
+    return [s for s in segments if s[4] >= 0]
 
 
 def localize(
@@ -155,39 +216,62 @@ def localize(
 ) -> list[ShardedStack]:
     """The local rows of every stack of ``pairs`` (stacked as one process stacks them,
     so that the ``h x h`` sums of a head line up on every process). ``theta``: the
-    local flat base point. Raises :class:`~geosharp.errors.UsageError` when a row of a
-    block is split across processes (the parameter is sharded along the wrong
+    local flat base point. Positions are worked out one pair at a time (no global
+    index of a whole stack is made). Raises :class:`~geosharp.errors.UsageError` when a
+    row of a block is split across processes (the parameter is sharded along the wrong
     dimension)."""
+    groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
+    for pair in pairs:  # the stacks of stack_pairs, in its order
+        _, n, m, h = pair.shape
+        groups[(n, m, h, pair.group)].append(pair)
     out = []
-    for base in stack_pairs(pairs, shards.global_layout, torch.device("cpu")):
+    for (n, m, _, group), specs in groups.items():
         sides, rows = [], []
         for side in ("g_blocks", "h_blocks"):
-            local = torch.cat(
-                [
-                    torch.cat([shards.to_local(b.param, b.index) for b in getattr(s, side)], 1)
-                    for s in base.specs
-                ]
-            )  # (B, n, h) local positions, -1 where held elsewhere
-            held = local >= 0
-            whole_rows = held.all(-1)
-            if bool((held.any(-1) & ~whole_rows).any()):
-                spec = base.specs[0]
-                names = sorted({b.param for b in getattr(spec, side)})
-                raise UsageError(
-                    f"the pair rows of {', '.join(names)} are split across processes: shard "
-                    "each pair weight along the dimension of its rows (the input features "
-                    "of query/key/value weights, the output features of the output "
-                    "weight), e.g. with geosharp.fsdp.shard(model, symmetries)"
-                )
-            count = whole_rows.sum(1)
-            n_local = int(count.max()) if count.numel() else 0
-            # the held rows first, in their global order; phantom rows after
-            order = torch.sort((~whole_rows).to(torch.int8), dim=1, stable=True).indices
-            order = order[:, :n_local]
-            keep = torch.gather(whole_rows, 1, order)
-            picked = torch.gather(local, 1, order[..., None].expand(-1, -1, local.shape[-1]))
-            picked[~keep] = -1
-            sides.append(picked)
-            rows.append(torch.where(keep, order, -torch.ones_like(order)))
-        out.append(ShardedStack(base, sides[0], sides[1], (rows[0], rows[1]), theta))
+            parts = [_held_rows(spec, side, shards) for spec in specs]
+            n_local = max((p[0].shape[1] for p in parts), default=0)
+            sides.append(torch.cat([_pad_rows(p[0], n_local) for p in parts]))
+            rows.append(torch.cat([_pad_rows(p[1], n_local) for p in parts]))
+        stack = ShardedStack(
+            specs,
+            group,
+            (n, m),
+            sides[0],
+            sides[1],
+            (rows[0], rows[1]),
+            theta,
+            torch.device(device),
+        )
+        out.append(stack)
     return out
+
+
+def _held_rows(spec: PairSpec, side: str, shards: Shards) -> tuple[Tensor, Tensor]:
+    """One pair's rows held here: local positions ``(B, k, h)`` (held rows first, in
+    their global order, ``-1`` rows after for heads that hold fewer) and their global
+    row numbers ``(B, k)`` (``-1`` there)."""
+    local = torch.cat([shards.to_local(b.param, b.index) for b in getattr(spec, side)], 1)
+    held = local >= 0
+    whole = held.all(-1)
+    if bool((held.any(-1) & ~whole).any()):
+        names = sorted({b.param for b in getattr(spec, side)})
+        raise UsageError(
+            f"the pair rows of {', '.join(names)} are split across processes: shard each "
+            "pair weight along the dimension of its rows (the input features of "
+            "query/key/value weights, the output features of the output weight), e.g. "
+            "with geosharp.fsdp.shard(model, symmetries)"
+        )
+    k = int(whole.sum(1).max()) if whole.numel() else 0
+    order = torch.sort((~whole).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    keep = torch.gather(whole, 1, order)
+    picked = torch.gather(local, 1, order[..., None].expand(-1, -1, local.shape[-1]))
+    picked[~keep] = -1
+    return picked, torch.where(keep, order, -torch.ones_like(order))
+
+
+def _pad_rows(x: Tensor, k: int) -> Tensor:
+    """``x`` with ``-1`` rows appended along dimension 1 up to ``k``."""
+    if x.shape[1] == k:
+        return x
+    pad = torch.full((x.shape[0], k - x.shape[1], *x.shape[2:]), -1, dtype=x.dtype)
+    return torch.cat([x, pad], 1)

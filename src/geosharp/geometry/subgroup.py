@@ -82,7 +82,9 @@ class SubgroupState(PairState):
         return self.base.pullback(xi, u, saved)
 
     def sample(self, generator: torch.Generator | None = None, rows=None) -> Tangent:
-        return self.base.sample(generator, rows)
+        if rows is None:  # a metric of one's own may not know row shards
+            return self.base.sample(generator)
+        return self.base.sample(generator, rows=rows)
 
     def _coordinates(self, R: Tensor) -> Tensor:
         """``tr(R E_a)`` for every basis element: ``(B, k)``."""

@@ -40,11 +40,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import UsageError
-from ..fsdp import is_sharded
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..params import LossFunction, evaluation_mode, functional_loss
 from ..symmetry.pairs import Symmetries
+from .fsdp import is_sharded
 from .sharpness import (
     _GEOMETRY_KEYS,
     _batch_seed,

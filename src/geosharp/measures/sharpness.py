@@ -27,14 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
-from ..fsdp import (
-    ShardedModel,
-    check_shardable,
-    is_sharded,
-    local_shards,
-    reshard,
-    symmetries_of,
-)
 from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
@@ -46,6 +38,14 @@ from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate, auto_pgd
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, Estimator, WorstCase, estimator_from
+from .fsdp import (
+    ShardedModel,
+    check_shardable,
+    is_sharded,
+    local_shards,
+    reshard,
+    symmetries_of,
+)
 
 __all__ = ["SharpnessResult", "sharpness"]
 

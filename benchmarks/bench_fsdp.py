@@ -1,0 +1,218 @@
+"""Sharpness of an FSDP2-sharded model: memory per process and time per step, at 1, 2
+and 4 processes (``torchrun``, gloo on the CPU, one thread each).
+
+    python benchmarks/bench_fsdp.py                  # BERT, 6 layers, hidden 384 (14M)
+    python benchmarks/bench_fsdp.py --quick          # a smaller model
+    python benchmarks/bench_fsdp.py --out results.json
+    python benchmarks/bench_fsdp.py --mmap-threshold # count held memory, not the heap's
+
+For every number of processes and every measure (adaptive, ``geodesic-inv``,
+``geodesic-mix``; default mode and ``low_memory=True``) one fresh ``torchrun`` launch
+shards the model with :func:`geosharp.fsdp.shard` and, on every process:
+
+* times the sharded model's forward+backward (median of 3 after a warm-up): the
+  reference step;
+* returns free heap memory to the system (``malloc_trim``), resets the peak resident
+  size (``/proc/self/clear_refs``) and records the rise of the peak over the resident
+  size, for one training forward+backward (``train``) or one ``sharpness`` call;
+* times each Auto-PGD step through ``sharpness(..., callback=...)`` (from one
+  evaluation to the next).
+
+Memory is reported in parameter-sized buffers *of this process's shard*:
+``(peak_measure - peak_train) / local parameter bytes``, the largest over processes;
+time per step as the median step over the reference forward+backward of the same
+launch. With more processes than cores (4 on this 2-core machine) every process runs
+slower, alike for the step and its reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_targets import _rss_status  # the peak and resident sizes, as there
+
+MEASURES = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
+MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
+    "bert-384": (384, 6, 12, 1536, 8192, 8, 64),
+    "quick": (128, 2, 4, 512, 2048, 4, 32),
+}
+
+
+def _reset_peak() -> int:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_status()["VmRSS"]
+
+
+def child(args) -> None:
+    """One process of a launch: prints its JSON record (rank 0 gathers them)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import geosharp
+    from geosharp import distributed as gd
+    from geosharp import fsdp
+
+    torch.set_num_threads(1)
+    rank, world = gd.init()
+    hidden, layers, heads, inter, vocab, batch, tokens = MODELS[args.model]
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        max_position_embeddings=tokens,
+        attn_implementation="eager",
+    )
+    model = BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    data = {
+        "input_ids": torch.randint(0, vocab, (batch, tokens), generator=g),
+        "labels": torch.randint(0, 2, (batch,), generator=g),
+    }
+
+    def loss_fn(m, b):
+        return m(**b).loss
+
+    symmetries = geosharp.find_symmetries(model, data, loss_fn=loss_fn)
+    fsdp.shard(model, symmetries)
+    model.eval()
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, data).backward()
+
+    train_step()
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    base = _reset_peak()
+    record = {"rank": rank, "local_bytes": local_bytes, "fb": statistics.median(times)}
+    if args.mode == "train":
+        train_step()
+        model.zero_grad(set_to_none=True)
+    else:
+        starts = []
+
+        def callback(event, i, x):
+            if event == "evaluate":
+                starts.append(time.perf_counter())
+
+        geosharp.sharpness(
+            model,
+            [data],
+            loss_fn,
+            args.mode,
+            rho=MEASURES[args.mode],
+            n_iters=args.n_iters,
+            low_memory=args.low_memory,
+            callback=callback,
+        )
+        steps = [b - a for a, b in itertools.pairwise(starts)]
+        record["step"] = statistics.median(steps)
+    record["rise"] = _rss_status()["VmHWM"] - base
+    parts = [None] * world
+    dist.all_gather_object(parts, record)
+    if rank == 0:
+        print(json.dumps(parts), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(nproc: int, mode: str, args) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={29600 + nproc}",
+        __file__, "--child", mode, "--model", args.model, "--n-iters", str(args.n_iters),
+        *(["--low-memory"] if args.low_memory else []),
+    ]  # fmt: skip
+    for _ in range(2):  # gloo sometimes aborts a process at exit, after the results
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("[{")]
+        if lines:
+            return json.loads(lines[-1])
+    raise RuntimeError(proc.stderr[-3000:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model")
+    parser.add_argument("--model", default=None, choices=sorted(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--nproc", default="1,2,4", help="numbers of processes")
+    parser.add_argument("--n-iters", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--mmap-threshold",
+        action="store_true",
+        help="map every allocation above 128 KiB (MALLOC_MMAP_THRESHOLD_=131072), so that "
+        "freed memory leaves the process and the peak counts what is held, not what the "
+        "allocator keeps",
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.model = args.model or ("quick" if args.quick else "bert-384")
+    if args.child:
+        args.mode = args.child
+        child(args)
+        return
+    rows = []
+    print(
+        f"model {args.model}, {args.n_iters} Auto-PGD steps, gloo, one thread per process"
+        + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
+    )
+    print("processes  measure          mode        buffers/process  step/fwd+bwd")
+    for nproc in [int(n) for n in args.nproc.split(",")]:
+        train = launch(nproc, "train", args)
+        for measure in MEASURES:
+            for low in (False, True):
+                args.low_memory = low
+                parts = launch(nproc, measure, args)
+                buffers = max(
+                    (p["rise"] - t["rise"]) / p["local_bytes"] for p, t in zip(parts, train)
+                )
+                ratio = statistics.median(p["step"] / p["fb"] for p in parts)
+                row = {
+                    "processes": nproc,
+                    "measure": measure,
+                    "low_memory": low,
+                    "buffers_per_process": round(buffers, 2),
+                    "step_over_forward_backward": round(ratio, 3),
+                    "local_parameter_bytes": max(p["local_bytes"] for p in parts),
+                    "raw": parts,
+                    "train": train,
+                }
+                rows.append(row)
+                mode = "low_memory" if low else "default"
+                print(f"{nproc:9d}  {measure:15s}  {mode:10s}  {buffers:15.2f}  {ratio:12.2f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"model": args.model, "n_iters": args.n_iters,
+                                        "mmap_threshold": args.mmap_threshold,
+                                        "rows": rows}, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

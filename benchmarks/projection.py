@@ -1,0 +1,116 @@
+"""Memory per process for LLaMA-2-7B and -70B sharded over 8 GPUs of 80 GB, computed
+from the buffers per process measured by ``bench_fsdp.py`` (its JSON output).
+
+    python benchmarks/projection.py docs/results/fsdp/bench_fsdp_mmap.json
+
+Prints the two Markdown tables of ``docs/performance.md`` ("Sharded models"): the
+benchmark's rows, and the projection. Per process,
+in GB (1e9 bytes), leaving activations aside (they depend on the batch and on
+activation checkpointing):
+
+* the model's float32 shards and one training step's gradients, ``4 P / 8`` each (what
+  geosharp measures today: sharded parameters must be float32, and every parameter
+  that requires grad gets its gradient);
+* the measure: ``b x 4 P_perturbed / 8``, ``b`` the buffers per process measured at the
+  largest number of processes of the benchmark (worst over adaptive, ``inv`` and
+  ``mix``), for the whole model and for the attention pairs only;
+* a random start or direction, drawn whole on every process: ``4 P_perturbed``,
+  transient.
+
+The rows "attention, as needed" assume what geosharp does not do yet: bfloat16 model
+shards with float32 buffers for the perturbed parameters, gradients of the perturbed
+parameters only, 4 buffers (the memory target) and random draws made per process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+GPUS, GPU_GB = 8, 80
+MODELS = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
+    "LLaMA-2-7B": (4096, 32, 32, 32, 11008, 32000),
+    "LLaMA-2-70B": (8192, 80, 64, 8, 28672, 32000),
+}
+
+
+def counts(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int):
+    """(all parameters, attention pair parameters) of a LLaMA-2 configuration."""
+    head = hidden // heads
+    attention = 2 * hidden * hidden + 2 * hidden * kv * head  # q, o; k, v
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden, layers * attention
+
+
+def measured(bench: dict) -> str:
+    """The benchmark's rows as a Markdown table: buffers per process (default,
+    ``low_memory``) and step over forward+backward, per number of processes."""
+    rows = bench["rows"]
+    lines = [
+        "| processes | measure | buffers per process, default (low_memory) "
+        "| step / forward+backward, default (low_memory) |",
+        "|---|---|---|---|",
+    ]
+    keys = sorted({(r["processes"], r["measure"]) for r in rows}, key=lambda k: k[0])
+    order = list(dict.fromkeys(r["measure"] for r in rows))
+    for nproc, measure in sorted(keys, key=lambda k: (k[0], order.index(k[1]))):
+        pick = {
+            r["low_memory"]: r for r in rows if (r["processes"], r["measure"]) == (nproc, measure)
+        }
+        lines.append(
+            f"| {nproc} | {measure} | {pick[False]['buffers_per_process']:.2f} "
+            f"({pick[True]['buffers_per_process']:.2f}) "
+            f"| {pick[False]['step_over_forward_backward']:.2f} "
+            f"({pick[True]['step_over_forward_backward']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def table(bench: dict) -> str:
+    rows = bench["rows"]
+    top = max(r["processes"] for r in rows)
+    worst = {
+        low: max(r["buffers_per_process"] for r in rows if r["processes"] == top
+                 and r["low_memory"] == low)
+        for low in (False, True)
+    }  # fmt: skip
+    lines = [
+        "| model | perturbed | parameters | model + gradients | measure, default (low_memory) "
+        "| total, default (low_memory) | random draw, transient |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, config in MODELS.items():
+        total, attention = counts(*config)
+        base = 2 * 4 * total / GPUS / 1e9
+        for what, p in (("all", total), ("attention", attention)):
+            per = 4 * p / GPUS / 1e9
+            a, b = worst[False] * per, worst[True] * per
+            lines.append(
+                f"| {name} | {what} | {p / 1e9:.2f}B | {base:.1f} | {a:.1f} ({b:.1f}) "
+                f"| {base + a:.1f} ({base + b:.1f}) | {4 * p / 1e9:.1f} |"
+            )
+    # what geosharp would need: bfloat16 shards of the model, gradients of the perturbed
+    # parameters only, the target of 4 buffers, random draws per parameter
+    for name, config in MODELS.items():
+        total, attention = counts(*config)
+        base = (2 * total + 4 * attention) / GPUS / 1e9
+        a = 4 * 4 * attention / GPUS / 1e9
+        lines.append(
+            f"| {name} | attention, as needed | {attention / 1e9:.2f}B | {base:.1f} | {a:.1f} "
+            f"| {base + a:.1f} | {4 * attention / GPUS / 1e9:.1f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"GB per process of {GPU_GB} GB, {GPUS} processes; buffers per process measured at "
+        f"{top} processes: {worst[False]:.2f} (default), {worst[True]:.2f} (low_memory)."
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/fsdp/bench_fsdp_mmap.json")
+    bench = json.loads(path.read_text())
+    print(measured(bench))
+    print()
+    print(table(bench))

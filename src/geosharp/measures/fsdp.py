@@ -1,0 +1,287 @@
+"""Sharpness of a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Call :func:`geosharp.sharpness` on every process under ``torchrun`` with the sharded
+model and the same batches: the value is the one a single process gets from the
+unsharded model. Every vector of the measure (the point, the perturbation, its previous
+and best iterates, the gradient) holds this process's slice of each parameter;
+element-wise work is local, inner products and norms are all-reduced scalars, and the
+attention pairs' ``h x h`` matrices are all-reduced sums over the rows each process
+holds (:mod:`geosharp.geometry.sharded`). Every process takes the same Auto-PGD
+decisions, and the model's shards are restored bit for bit at the end.
+
+The pairs need whole rows on each process: query/key/value weights sharded along
+their input features (``Shard(1)`` of an ``nn.Linear`` weight), output weights along
+their output features (``Shard(0)``). :func:`shard` applies such a plan::
+
+    import geosharp
+    from geosharp import distributed as gd, fsdp
+
+    gd.init()
+    symmetries = geosharp.find_symmetries(model, batch, loss_fn=loss_fn)  # before sharding
+    fsdp.shard(model, symmetries)            # fully_shard on each layer, then the root
+    result = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv")
+
+launched as ``OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 script.py``. Every process
+runs the forward on the batch it is given: give all processes the same batches (the
+one-process value), or each its own share of one batch, when the loss is a mean over
+equal shares (FSDP averages the gradients and geosharp the losses).
+
+Random starts and directions are drawn whole on every process and sliced (the numbers
+of a single process: one transient parameter-sized vector per draw). Not available
+on a sharded model: ``entries=``, ``per=``, ``distributed=True`` (every process
+measures every batch), half-precision sharded parameters (shard float32 parameters
+and compute in half precision with ``fully_shard(mp_policy=...)`` or
+``autocast_dtype``), and the Hessian trace (double backward through FSDP2 is not
+supported by torch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..errors import UsageError
+from ..geometry.sharded import Shards
+from ..layout import ParameterLayout
+from ..symmetry.pairs import Symmetries
+
+__all__ = ["is_sharded", "placements", "shard"]
+
+_SYMMETRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded: FSDP2 modules, or ``DTensor`` parameters."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters FSDP2 keeps after a forward without backward (the
+    root's, by default), so that the model holds its shards again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def symmetries_of(model: nn.Module) -> Symmetries | None:
+    """The symmetries :func:`shard` recorded for ``model`` (``None`` if it did not)."""
+    return _SYMMETRIES.get(model)
+
+
+def placements(model: nn.Module, symmetries: Symmetries) -> dict[str, int]:
+    """``{parameter name: dim}``: the dimension to shard each pair parameter along so
+    that every row of its blocks stays on one process (other parameters: any).
+
+    A row of a block is the entries of one input (query/key/value) or output feature;
+    its ``h`` entries (and its heads) must run along the other dimensions."""
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    dims: dict[str, int] = {}
+    for pair in symmetries.pairs:
+        for block in (*pair.g_blocks, *pair.h_blocks):
+            shape = shapes[block.param]
+            if len(shape) < 2:
+                continue
+            index = block.index
+            rows = index[0, :, 0] if index.shape[1] > 1 else None
+            if rows is None:
+                continue
+            strides = torch.empty(shape).stride()
+            step = int(rows[1] - rows[0])
+            dim = next((d for d, s in enumerate(strides) if s == abs(step)), None)
+            if dim is None or dims.get(block.param, dim) != dim:
+                raise UsageError(
+                    f"{block.param}: its pair rows do not run along one dimension; shard it "
+                    "by hand so that each row of its blocks stays on one process"
+                )
+            dims[block.param] = dim
+    return dims
+
+
+def shard(
+    model: nn.Module,
+    symmetries: Symmetries,
+    modules: list[nn.Module] | None = None,
+    **kwargs,
+) -> nn.Module:
+    """``fully_shard`` ``modules`` (default: each block of the model's longest
+    ``nn.ModuleList``, the transformer layers) and then ``model``, with every pair
+    weight sharded along the dimension of its rows (:func:`placements`); returns the
+    model (sharded in place, as ``fully_shard`` does). ``kwargs`` go to
+    ``fully_shard`` (``mesh``, ``mp_policy``, ...). The symmetries are recorded, so
+    that :func:`geosharp.sharpness` needs none on the sharded model.
+
+    Raises :class:`~geosharp.errors.UsageError` when a pair dimension other than the
+    first does not divide by the number of processes (FSDP2 shards other dimensions
+    evenly only)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    dims = placements(model, symmetries)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_id = {}
+    for name, p in model.named_parameters():
+        dim = dims.get(name, 0)
+        if dim and p.shape[dim] % world:
+            raise UsageError(
+                f"{name} {tuple(p.shape)} must be sharded along dimension {dim} (the rows of "
+                f"its attention blocks), whose {p.shape[dim]} entries do not divide by the "
+                f"{world} processes: use a number of processes that divides it"
+            )
+        by_id[id(p)] = dim
+
+    def placement(param: nn.Parameter):
+        return Shard(by_id.get(id(param), 0))
+
+    if modules is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        modules = list(max(lists, key=len)) if lists else []
+    for module in modules:
+        fully_shard(module, shard_placement_fn=placement, **kwargs)
+    fully_shard(model, shard_placement_fn=placement, **kwargs)
+    _SYMMETRIES[model] = symmetries
+    return model
+
+
+def local_shards(named: list[tuple[str, Tensor]]) -> tuple[Shards, list[Tensor]]:
+    """Where this process's slices of the ``DTensor`` parameters ``named`` lie, and the
+    slices themselves (the model's own local tensors)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims, locals_, global_named, local_named = {}, [], [], []
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            raise UsageError(
+                f"{name} is not sharded while other parameters are: shard every perturbed "
+                "parameter with fully_shard (or measure the parameters that are)"
+            )
+        if p.device_mesh.ndim != 1 or len(p.placements) != 1:
+            raise UsageError(
+                f"{name} is sharded on a {p.device_mesh.ndim}-D mesh: geosharp measures "
+                "models sharded on one dimension of processes (FSDP2), not HSDP or tensor "
+                "parallel layouts"
+            )
+        placement = p.placements[0]
+        if not isinstance(placement, Shard):
+            raise UsageError(f"{name} is {placement}, not sharded: use FSDP2's Shard(dim)")
+        if p.device_mesh.size() != world:
+            raise UsageError(f"{name} is sharded over a mesh that is not the whole world")
+        local = p.to_local()
+        dim, size = placement.dim, p.shape[placement.dim]
+        chunk = -(-size // world)
+        start = min(rank * chunk, size)
+        length = max(0, min(size - start, chunk))
+        if tuple(local.shape) != (*tuple(p.shape[:dim]), length, *tuple(p.shape[dim + 1 :])):
+            raise UsageError(f"{name}: its local shard {tuple(local.shape)} is not FSDP2's")
+        dims[name] = (dim, start, length)
+        locals_.append(local)
+        global_named.append((name, p))
+        local_named.append((name, local))
+
+    def reduce(t: Tensor) -> Tensor:
+        t = t.contiguous().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def reduce_max(t: Tensor) -> Tensor:
+        t = t.contiguous().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    shards = Shards(
+        ParameterLayout.from_named(global_named),
+        ParameterLayout.from_named(local_named),
+        dims,
+        reduce,
+        reduce_max,
+    )
+    return shards, locals_
+
+
+class ShardedModel:
+    """The loss of a sharded model at a point: the point's slices are written into the
+    model's own local shards (``theta``, a copy, is written back by :meth:`restore`),
+    the forward and backward run through FSDP, the loss is averaged over processes."""
+
+    def __init__(self, model: nn.Module, named, locals_: list[Tensor], layout, loss_fn):
+        self.model, self.layout, self.loss_fn = model, layout, loss_fn
+        self.params = [p for _, p in named]
+        self.locals = locals_
+        self.grads = [p.grad for p in model.parameters()]
+        self.world = dist.get_world_size()
+
+    def _write(self, views: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for local, view in zip(self.locals, views.values()):
+                local.copy_(view.view_as(local))
+
+    def _mean(self, loss: Tensor) -> Tensor:
+        value = loss.detach().reshape(()).clone()
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world
+
+    def evaluate(self, params: dict[str, Tensor], batch) -> Tensor:
+        """The loss at ``params`` (local views), averaged over processes."""
+        self._write(params)
+        with torch.no_grad():
+            loss = self.loss_fn(self.model, batch)
+        reshard(self.model)
+        return self._mean(loss)
+
+    def loss_grad(self, batch, autocast, mask=None) -> Callable:
+        layout = self.layout
+
+        def objective(point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+            self._write(layout.unflatten(point))
+            for p in self.model.parameters():
+                p.grad = None
+            with autocast():
+                loss = self.loss_fn(self.model, batch)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise ValueError("loss_fn must return a scalar tensor")
+            loss.reshape(()).backward()
+            for p, target in zip(self.params, layout.unflatten(out).values()):
+                if p.grad is None:
+                    target.zero_()
+                else:
+                    target.copy_(p.grad.to_local().view_as(target))
+                p.grad = None
+            return self._mean(loss), out
+
+        return objective
+
+    def restore(self, theta: Tensor) -> None:
+        """Write ``theta`` back into the model's shards and restore its gradients."""
+        self._write(self.layout.unflatten(theta))
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+
+
+def check_shardable(dtype: torch.dtype, entries, distributed: bool) -> None:
+    """One-line errors for what a sharded model cannot be measured with."""
+    if dtype in (torch.float16, torch.bfloat16):
+        raise UsageError(
+            "the sharded parameters are half precision: shard float32 parameters and "
+            "compute in half precision with fully_shard(mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16)) or autocast_dtype"
+        )
+    if entries is not None:
+        raise UsageError("entries= is not available on a sharded model")
+    if distributed:
+        raise UsageError(
+            "distributed=True splits batches over processes; a sharded model is measured "
+            "by every process on every batch: drop distributed=True"
+        )
