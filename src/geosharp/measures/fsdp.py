@@ -241,7 +241,10 @@ class ShardedModel:
         reshard(self.model)
         return self._mean(loss)
 
-    def loss_grad(self, batch, autocast, mask=None) -> Callable:
+    def loss_grad(self, batch, autocast) -> Callable:
+        """``objective(point, out)`` for Auto-PGD: the averaged loss at ``point``, its
+        gradient's local slices written into ``out`` (FSDP averages the gradients over
+        processes); every gradient the backward made is freed."""
         layout = self.layout
 
         def objective(point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
@@ -258,6 +261,7 @@ class ShardedModel:
                     target.zero_()
                 else:
                     target.copy_(p.grad.to_local().view_as(target))
+            for p in self.model.parameters():  # also those of parameters not perturbed
                 p.grad = None
             return self._mean(loss), out
 
