@@ -63,7 +63,7 @@ def errors():
     from torch.distributed.fsdp import fully_shard
 
     out = {}
-    model, batches = bert(torch.float64, heads=2)  # a head of 8 rows on 4 processes of 4
+    model, batches = bert(torch.float64, heads=2)  # a head of 8 rows over 2 processes
     symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
     for layer in model.bert.encoder.layer:
         fully_shard(layer)
@@ -76,6 +76,17 @@ def errors():
             out[key] = str(e)
     adaptive = geosharp.sharpness(model, batches, loss_fn, "adaptive", n_iters=2)
     out["adaptive needs no pairs"] = adaptive.value
+    # FSDP2's default plan keeps whole rows when the heads divide over the processes
+    model, batches = bert(torch.float64, heads=4)
+    symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+    plain = copy.deepcopy(model)
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    kw = dict(rho=0.05, n_iters=3, symmetries=symmetries)
+    out["default plan"] = [
+        geosharp.sharpness(m, batches, loss_fn, "geodesic-inv", **kw).value for m in (plain, model)
+    ]
     for key, call in {
         "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
         "per": lambda: geosharp.sharpness(model, batches, loss_fn, "adaptive", per="layer"),
