@@ -135,8 +135,8 @@ def child(args) -> None:
     dist.all_gather_object(parts, record)
     if rank == 0:
         print(json.dumps(parts), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    model = None  # the sharded model released before the process group ends
+    gd.close()
 
 
 def launch(nproc: int, mode: str, args) -> list[dict]:

@@ -64,8 +64,8 @@ def main() -> None:
             print(json.dumps({"measure": measure, "all_reduces": len(step),
                               "scalars": scalars, "stacked_hxh": len(step) - scalars}))  # fmt: skip
         calls.clear()
-    dist.barrier()
-    dist.destroy_process_group()
+    del model
+    gd.close()
 
 
 if __name__ == "__main__":

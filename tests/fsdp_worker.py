@@ -99,6 +99,40 @@ def errors():
     return out
 
 
+def sam(name):
+    """Three GeodesicSAM steps (SGD) on the unsharded and on the sharded model, the same
+    batches on every process: ``[largest relative difference of the weights after,
+    how far the steps moved them]`` per measure."""
+    from geosharp.optim import GeodesicSAM
+
+    arch, dtype = name.split("-")
+    out = {}
+    for measure in ("geodesic-inv", "adaptive"):
+        model, batches = {"bert": bert, "llama": llama}[arch](getattr(torch, dtype))
+        model.eval()  # no dropout
+        symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        plain = copy.deepcopy(model)
+        fsdp.shard(model, symmetries)
+        for m in (plain, model):
+            opt = GeodesicSAM(m, torch.optim.SGD, rho=0.05, measure=measure, lr=0.1,
+                              symmetries=symmetries)  # fmt: skip
+            for step in range(3):
+                loss_fn(m, batches[step % 2]).backward()
+                opt.first_step(zero_grad=True)
+                loss_fn(m, batches[step % 2]).backward()
+                opt.second_step(zero_grad=True)
+        ref = dict(plain.named_parameters())
+        worst, moved = 0.0, 0.0
+        for n, p in model.named_parameters():
+            whole = p.detach().full_tensor()
+            scale = float(ref[n].detach().abs().max().clamp_min(1e-30))
+            worst = max(worst, float((whole - ref[n].detach()).abs().max()) / scale)
+            moved = max(moved, float((ref[n].detach() - start[n]).abs().max()) / scale)
+        out[measure] = [worst, moved]
+    return out
+
+
 def main():
     out, which = sys.argv[1], sys.argv[2:]
     rank, world = gd.init()
@@ -106,6 +140,9 @@ def main():
     if "errors" in which:
         which.remove("errors")
         results["errors"] = errors()
+    for name in [w for w in which if w.startswith("sam:")]:
+        which.remove(name)
+        results[name] = sam(name.removeprefix("sam:"))
     for name in which:
         arch, dtype = name.split("-")
         model, batches = {"bert": bert, "llama": llama}[arch](getattr(torch, dtype))
@@ -136,6 +173,8 @@ def main():
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world": world, "results": results}, f)
+    model = plain = None  # the sharded model released before the group ends
+    gd.close()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ from launch import run_python
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
-RUNS = {2: ["bert-float64", "llama-float32"], 4: ["errors", "llama-float64"]}
+RUNS = {
+    2: ["bert-float64", "llama-float32", "sam:bert-float64"],
+    4: ["errors", "llama-float64", "sam:llama-float64"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
     assert data["world"] == nproc
     results = data["results"]
     for name in RUNS[nproc]:
-        if name == "errors":
+        if name == "errors" or name.startswith("sam:"):
             continue
         assert results[f"{name}/model unchanged"] is True
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
@@ -90,3 +93,14 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
         assert f"{min(values):.1f}-{max(values):.1f}" in readme
     ratios = [r["step_over_forward_backward"] for r in bench["rows"]]
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme
+
+
+@pytest.mark.parametrize("nproc", sorted(RUNS))
+def test_geodesic_sam_on_a_sharded_model_takes_the_one_process_steps(runs, nproc):
+    """Three GeodesicSAM steps (geodesic-inv, and adaptive: ASAM) on the sharded model
+    leave the weights of the unsharded model trained in one process (FSDP averages the
+    gradients over processes, which here see the same batches)."""
+    name = next(n for n in RUNS[nproc] if n.startswith("sam:"))
+    for measure, (worst, moved) in runs[nproc]["results"][name].items():
+        assert moved > 1e-4, measure  # the steps moved the weights
+        assert worst <= 1e-10, (measure, worst)

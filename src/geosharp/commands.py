@@ -649,6 +649,9 @@ def run_measure(args) -> int:
                     "lower --rho for a finite value"
                 )
     results += [r for n, r in done.items() if n not in names]  # kept, not measured again
+    if args.fsdp:  # release the sharded model before the process group ends
+        del model, loaded
+        gd.close()
     if rank != 0:
         return 0
 

@@ -55,6 +55,7 @@ from .io import write_json_atomic
 __all__ = [
     "all_reduce_sum",
     "barrier",
+    "close",
     "device",
     "gather_in_order",
     "init",
@@ -104,6 +105,19 @@ def init(backend: str | None = None) -> tuple[int, int]:
     dist.init_process_group(backend=backend)
     atexit.register(_destroy)
     return rank_and_world()
+
+
+def close() -> None:
+    """End the process group: collect garbage, wait for every process, destroy it. Call
+    it after the last collective with a sharded (FSDP2) model released (``del model``):
+    a process that exits while the model's communication objects still live can abort
+    (``terminate called without an active exception``) after its work is done."""
+    import gc
+
+    gc.collect()
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _destroy() -> None:

@@ -29,6 +29,11 @@ from .symmetry.pairs import Symmetries
 __all__ = ["GeodesicSAM"]
 
 
+def _local(t: Tensor) -> Tensor:
+    """A ``DTensor``'s local slice (FSDP2), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class GeodesicSAM(torch.optim.Optimizer):
     """Wrap ``base_optimizer`` so that each step uses the gradient at the ascent point.
 
@@ -60,6 +65,11 @@ class GeodesicSAM(torch.optim.Optimizer):
     without an all-reduce (as SAM users do): the second backward then averages the
     processes' ascent gradients. Both are tested against one process to 1e-10
     (``tests/test_optim_distributed.py``).
+
+    On a model sharded with FSDP2 (:mod:`geosharp.fsdp`) the step works on each
+    process's slices, with the space's sums all-reduced; the first gradient is FSDP's
+    average over processes. With the same batches on every process, three steps leave
+    the weights of one process's steps on the unsharded model (``tests/test_fsdp.py``).
     """
 
     def __init__(
@@ -92,6 +102,10 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise ValueError("GeodesicSAM trains float32/float64 weights; use autocast for bf16")
         self._named = target.named
         self._layout, self._pairs = target.layout, target.pairs
+        # a sharded model (FSDP2): the weights are this process's slices, and w a flat
+        # copy of them (the space's base point, refreshed at each step)
+        self._local = target.local if target.shards is not None else None
+        self._theta = target.theta  # there, the flat copy the space views
         params = [p for _, p in self._named]
         if isinstance(base_optimizer, torch.optim.Optimizer):
             if kwargs:
@@ -113,10 +127,21 @@ class GeodesicSAM(torch.optim.Optimizer):
         self.rho = float(rho)
         self._saved: Tensor | None = None  # w while the weights are at the ascent point
         # over views of the weights: refreshed at each step, its pair stacking kept
-        theta = {n: p.detach() for n, p in self._named}
-        self._space_at_w = PerturbationSpace(theta, self._layout, self._pairs, self.geometry)
+        theta = target.theta if self._local is not None else {n: p.detach() for n, p in self._named}
+        self._space_at_w = PerturbationSpace(
+            theta, self._layout, self._pairs, self.geometry, shards=target.shards
+        )
+
+    def _weights(self) -> list[Tensor]:
+        """The tensors the step writes: the parameters, or their local slices."""
+        return self._local if self._local is not None else [p for _, p in self._named]
 
     def _space(self) -> PerturbationSpace:
+        if self._local is not None:  # w moved (the base optimizer's step): copy it again
+            theta = self._layout.unflatten(self._theta)
+            with torch.no_grad():
+                for view, local in zip(theta.values(), self._local):
+                    view.copy_(local.reshape(view.shape))
         return self._space_at_w.refresh()
 
     @torch.no_grad()
@@ -127,8 +152,10 @@ class GeodesicSAM(torch.optim.Optimizer):
         space = self._space()
         grad = torch.cat(
             [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for _, p in self._named
+                _local(p.grad).reshape(-1)
+                if p.grad is not None
+                else torch.zeros_like(w).reshape(-1)
+                for (_, p), w in zip(self._named, self._weights())
             ]
         ).to(space.dtype)
         direction = space.proju_(space.egrad2rgrad_(grad))
@@ -145,8 +172,8 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _write(self, flat: Tensor) -> None:
-        for (_, p), view in zip(self._named, self._layout.unflatten(flat).values()):
-            p.copy_(view)
+        for w, view in zip(self._weights(), self._layout.unflatten(flat).values()):
+            w.copy_(view.view_as(w))
 
     @torch.no_grad()
     def restore(self) -> None:

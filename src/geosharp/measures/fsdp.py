@@ -20,6 +20,8 @@ their output features (``Shard(0)``). :func:`shard` applies such a plan::
     symmetries = geosharp.find_symmetries(model, batch, loss_fn=loss_fn)  # before sharding
     fsdp.shard(model, symmetries)            # fully_shard on each layer, then the root
     result = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv")
+    del model
+    gd.close()                               # see below
 
 launched as ``OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 script.py``. Every process
 runs the forward on the batch it is given: give all processes the same batches (the
@@ -32,7 +34,10 @@ on a sharded model: ``entries=``, ``per=``, ``distributed=True`` (every process
 measures every batch), half-precision sharded parameters (shard float32 parameters
 and compute in half precision with ``fully_shard(mp_policy=...)`` or
 ``autocast_dtype``), and the Hessian trace (double backward through FSDP2 is not
-supported by torch).
+supported by torch). :class:`geosharp.optim.GeodesicSAM` works on a sharded model.
+Under ``torchrun``, release the sharded model and call
+:func:`geosharp.distributed.close` at the end: a process that exits while FSDP's
+communication objects live can abort after its work is done.
 """
 
 from __future__ import annotations
