@@ -177,7 +177,6 @@ def measure_names(spec: str) -> list[str]:
 def rho_table(spec: str, names: list[str]) -> dict[str, float]:
     """Radius per measure from ``--rho`` (one number, or ``name=value,...``); the rest
     take ``DEFAULT_RHO``."""
-    import math
 
     from .measures import DEFAULT_RHO
 
@@ -470,6 +469,7 @@ def run_measure(args) -> int:
     from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
     from .io import dumps, write_json_atomic
     from .measures import HESSIAN_TRACES, hessian_trace, sharpness
+    from .measures.sharpness import floor_message
     from .symmetry import find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -530,10 +530,10 @@ def run_measure(args) -> int:
     batches = [move_batch(b, device) for b in batches]
     fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
     symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
+    n_parameters = sum(p.numel() for p in model.parameters())  # before any sharding
     if args.fsdp:
         from .fsdp import shard
 
-        n_parameters = sum(p.numel() for p in model.parameters())
         shard(model, symmetries)
     geodesic = [n for n in names if measure_uses_pairs(n)]
     if args.strict and geodesic and symmetries.ignored:
@@ -543,8 +543,6 @@ def run_measure(args) -> int:
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
     checked = sum(1 for p in symmetries.pairs if p.name in symmetries.verified)
     unknown = [u for u in symmetries.unrecognized if u not in symmetries.attention]
-    if not args.fsdp:
-        n_parameters = sum(p.numel() for p in model.parameters())
     say(
         f"{path}: {n_parameters:,} parameters, {n_pairs} pairs "
         f"in {len(symmetries.attention)} attention modules"
@@ -635,12 +633,21 @@ def run_measure(args) -> int:
                 result = _Broken([w for b in result.blocks.values() for w in b.nonfinite])
             results.append(row)
             save(False)
-            floor = getattr(result, "floor", 0.0)
-            if floor and math.isfinite(row["value"]) and abs(row["value"]) < 10 * floor:
+            floor = getattr(result, "floor", 0.0)  # per-block rows have none
+            message = (
+                floor_message(name, rhos[name], row["value"], floor, row["settings"]["precision"])
+                if floor
+                else None
+            )
+            if message is not None:  # in the command line's words
                 say(
-                    f"warning: {name} = {row['value']:.3g} is within 10x of the round-off floor "
-                    f"of the loss in {row['settings']['precision']} ({floor:.2g}): use float32 "
-                    "(no --autocast) or a larger --rho"
+                    "warning: "
+                    + message.replace("(no autocast)", "(no --autocast)")
+                    .replace(
+                        "in float64 or with a larger rho",
+                        "with a larger --rho (float64: the Python API)",
+                    )
+                    .replace("larger rho", "larger --rho")
                 )
             if result.nonfinite:
                 say(
@@ -703,7 +710,6 @@ def _block_table(results: list[dict], symmetries, table) -> None:
 def plot_blocks(results: list[dict], path: str, title: str) -> None:
     """A bar per block, one colour per measure (log scale when every value is
     positive and finite)."""
-    import math
 
     from .studies.figures import require_matplotlib, save_png
 

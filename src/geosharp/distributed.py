@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .io import write_json_atomic
 
 __all__ = [
+    "all_reduce_max",
     "all_reduce_sum",
     "barrier",
     "close",
@@ -154,12 +155,21 @@ def all_reduce_sum(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
     the identity without a process group.
 
     Every call is one all-reduce of an ``h x h`` (or smaller) tensor."""
+    return _all_reduce(dist.ReduceOp.SUM, group)
 
+
+def all_reduce_max(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(t)``: the element-wise maximum of ``t`` over the processes of ``group``
+    (the identity without a process group)."""
+    return _all_reduce(dist.ReduceOp.MAX, group)
+
+
+def _all_reduce(op, group) -> Callable[[torch.Tensor], torch.Tensor]:
     def reduce(t: torch.Tensor) -> torch.Tensor:
         if not is_distributed():
             return t
         t = t.contiguous().clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=op, group=group)
         return t
 
     return reduce

@@ -127,7 +127,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         self.rho = float(rho)
         self._saved: Tensor | None = None  # w while the weights are at the ascent point
         # over views of the weights: refreshed at each step, its pair stacking kept
-        theta = target.theta if self._local is not None else {n: p.detach() for n, p in self._named}
+        theta = self._theta if self._local is not None else {n: p.detach() for n, p in self._named}
         self._space_at_w = PerturbationSpace(
             theta, self._layout, self._pairs, self.geometry, shards=target.shards
         )

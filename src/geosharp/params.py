@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFunction", "evaluation_mode", "functional_loss"]
+__all__ = ["LossFunction", "evaluation_mode", "functional_loss", "require_grad", "scalar_loss"]
 
 LossFunction = Callable[[nn.Module, object], Tensor]
 
@@ -61,3 +61,22 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+def scalar_loss(loss: object) -> Tensor:
+    """``loss`` as a 0-d tensor; an error unless ``loss_fn`` returned a one-element tensor."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError("loss_fn must return a scalar")
+    return loss.reshape(())
+
+
+def require_grad(loss: Tensor) -> None:
+    """An error unless ``loss`` depends on the parameters (a backward can reach them)."""
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on the perturbed parameters (it does not require "
+            "grad): compute it from the model's output inside loss_fn, without "
+            "torch.no_grad(), .detach() or .item()"
+        )

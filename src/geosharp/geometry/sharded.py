@@ -17,7 +17,6 @@ parameter when a row would be cut across processes.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from ..errors import UsageError
 from ..layout import ParameterLayout, _view, strided_segments, write_strided
 from ..symmetry.pairs import PairSpec
 from .pairs import Rows
-from .stacked import StackedPairs
+from .stacked import StackedPairs, group_pairs
 
 __all__ = ["ShardedStack", "Shards", "localize"]
 
@@ -49,13 +48,6 @@ class Shards:
     dims: dict[str, tuple[int, int, int]]
     reduce: Reduce
     reduce_max: Reduce
-
-    def local_positions(self, name: str) -> Tensor:
-        """Positions in ``param.view(-1)`` of the entries held here, in local order."""
-        shape = self.global_layout.shapes[self.global_layout.names.index(name)]
-        dim, start, length = self.dims[name]
-        pos = torch.arange(math.prod(shape), dtype=torch.long).view(shape)
-        return pos.narrow(dim, start, length).reshape(-1)
 
     def slice_(self, whole: Tensor, out: Tensor) -> Tensor:
         """Write the local entries of ``whole`` (a flat vector of the global layout) into
@@ -106,7 +98,6 @@ class ShardedStack(StackedPairs):
         self.rows = tuple(r.to(self.device) for r in rows)
         self.whole = whole
         self.shapes = (g_local.shape, h_local.shape)
-        self._phantom = tuple((r < 0).to(self.device) for r in self.rows)
         segments = tuple(_held_segments(i) for i in (g_local, h_local))
         if all(s is not None for s in segments):
             self._segments, self._index = segments, None
@@ -220,12 +211,8 @@ def localize(
     index of a whole stack is made). Raises :class:`~geosharp.errors.UsageError` when a
     row of a block is split across processes (the parameter is sharded along the wrong
     dimension)."""
-    groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
-    for pair in pairs:  # the stacks of stack_pairs, in its order
-        _, n, m, h = pair.shape
-        groups[(n, m, h, pair.group)].append(pair)
     out = []
-    for (n, m, _, group), specs in groups.items():
+    for (n, m, _, group), specs in group_pairs(pairs).items():  # as stack_pairs stacks
         sides, rows = [], []
         for side in ("g_blocks", "h_blocks"):
             parts = [_held_rows(spec, side, shards) for spec in specs]

@@ -150,17 +150,22 @@ def _flat_index(
     return _stacked(specs, side, lambda b: layout.offset(b.param) + b.index).to(device)
 
 
-def stack_pairs(
-    pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
-) -> list[StackedPairs]:
-    """Group pairs by shape and symmetry group."""
+def group_pairs(pairs: Sequence[PairSpec]) -> dict[tuple[int, int, int, str], list[PairSpec]]:
+    """``{(n, m, h, group): pairs}``: the stacks, in the order of their first pair."""
     groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
     for pair in pairs:
         _, n, m, h = pair.shape
         groups[(n, m, h, pair.group)].append(pair)
+    return groups
+
+
+def stack_pairs(
+    pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
+) -> list[StackedPairs]:
+    """Group pairs by shape and symmetry group (:func:`group_pairs`)."""
     return [
         StackedPairs(specs, layout, torch.device(device), group=group)
-        for (*_, group), specs in groups.items()
+        for (*_, group), specs in group_pairs(pairs).items()
     ]
 
 

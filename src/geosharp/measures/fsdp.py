@@ -49,9 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..distributed import all_reduce_max, all_reduce_sum
 from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
+from ..params import require_grad, scalar_loss
 from ..symmetry.pairs import Symmetries
 
 __all__ = ["is_sharded", "placements", "shard"]
@@ -101,7 +103,7 @@ def placements(model: nn.Module, symmetries: Symmetries) -> dict[str, int]:
             rows = index[0, :, 0] if index.shape[1] > 1 else None
             if rows is None:
                 continue
-            strides = torch.empty(shape).stride()
+            strides = torch.empty(shape, device="meta").stride()
             step = int(rows[1] - rows[0])
             dim = next((d for d, s in enumerate(strides) if s == abs(step)), None)
             if dim is None or dims.get(block.param, dim) != dim:
@@ -194,22 +196,12 @@ def local_shards(named: list[tuple[str, Tensor]]) -> tuple[Shards, list[Tensor]]
         global_named.append((name, p))
         local_named.append((name, local))
 
-    def reduce(t: Tensor) -> Tensor:
-        t = t.contiguous().clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def reduce_max(t: Tensor) -> Tensor:
-        t = t.contiguous().clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
-
     shards = Shards(
         ParameterLayout.from_named(global_named),
         ParameterLayout.from_named(local_named),
         dims,
-        reduce,
-        reduce_max,
+        all_reduce_sum(),
+        all_reduce_max(),
     )
     return shards, locals_
 
@@ -232,11 +224,10 @@ class ShardedModel:
                 local.copy_(view.view_as(local))
 
     def _mean(self, loss: Tensor) -> Tensor:
-        value = loss.detach().reshape(()).clone()
+        value = loss.detach().reshape(())
         if value.dtype in (torch.float16, torch.bfloat16):
             value = value.float()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value / self.world
+        return all_reduce_sum()(value) / self.world
 
     def evaluate(self, params: dict[str, Tensor], batch) -> Tensor:
         """The loss at ``params`` (local views), averaged over processes."""
@@ -257,10 +248,9 @@ class ShardedModel:
             for p in self.model.parameters():
                 p.grad = None
             with autocast():
-                loss = self.loss_fn(self.model, batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise ValueError("loss_fn must return a scalar tensor")
-            loss.reshape(()).backward()
+                loss = scalar_loss(self.loss_fn(self.model, batch))
+            require_grad(loss)
+            loss.backward()
             for p, target in zip(self.params, layout.unflatten(out).values()):
                 if p.grad is None:
                     target.zero_()

@@ -31,7 +31,7 @@ from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..layout import ParameterLayout
-from ..params import LossFunction, evaluation_mode, functional_loss
+from ..params import LossFunction, evaluation_mode, functional_loss, require_grad, scalar_loss
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
@@ -541,11 +541,12 @@ def _matmuls(device: torch.device, precision: str, settings: dict):
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
-def _check_floor(label: str, rho: float, value: float, floor: float, precision: str, strict: bool):
-    """Warn (``strict``: raise) when ``value`` is within 10x of the loss's round-off floor."""
+def floor_message(label: str, rho: float, value: float, floor: float, precision: str):
+    """What to say of a ``value`` within 10x of the loss's round-off ``floor`` (``None``
+    when it is not)."""
     if not (math.isfinite(value) and floor > 0 and abs(value) < 10 * floor):
-        return
-    message = (
+        return None
+    return (
         f"{label} at rho={rho:g} is {value:.3g}, within 10x of the round-off floor of the loss "
         f"in {precision} ({floor:.2g}): the perturbation is near what this precision can see; "
         + (
@@ -554,6 +555,13 @@ def _check_floor(label: str, rho: float, value: float, floor: float, precision: 
             else "measure in float64 or with a larger rho"
         )
     )
+
+
+def _check_floor(label: str, rho: float, value: float, floor: float, precision: str, strict: bool):
+    """Warn (``strict``: raise) when ``value`` is within 10x of the loss's round-off floor."""
+    message = floor_message(label, rho, value, floor, precision)
+    if message is None:
+        return
     if strict:
         raise UsageError(message)
     warnings.warn(message, PrecisionWarning, stacklevel=4)
@@ -896,8 +904,8 @@ class _LossGrad:
             leaves[name] = leaf
         with self.autocast():
             loss = self.evaluate(leaves, self.batch)
-        loss = _scalar(loss)
-        _require_grad(loss)
+        loss = scalar_loss(loss)
+        require_grad(loss)
         loss.backward(inputs=list(leaves.values()))
         for leaf in leaves.values():  # parameters the loss does not reach
             if id(leaf) not in filled:
@@ -905,23 +913,6 @@ class _LossGrad:
         if self.mask is not None:  # the entries measured; the rest stay fixed
             out.mul_(self.mask)
         return _value(loss), out
-
-
-def _scalar(loss: object) -> Tensor:
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-    if loss.numel() != 1:
-        raise ValueError("loss_fn must return a scalar")
-    return loss.reshape(())
-
-
-def _require_grad(loss: Tensor) -> None:
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not depend on the perturbed parameters (it does not require "
-            "grad): compute it from the model's output inside loss_fn, without "
-            "torch.no_grad(), .detach() or .item()"
-        )
 
 
 def _float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
