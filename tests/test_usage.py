@@ -862,3 +862,17 @@ def test_zoo_seed_noise_is_checked_before_any_work(tmp_path, capsys):
     code = main([*hparams, "--seed-noise", str(tmp_path / "e.json")])
     assert "not a number >= 0" in _one_line_error(capsys, code)
     assert not (tmp_path / "text").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("per", [[], ["--per", "layer"]])
+def test_a_value_near_the_round_off_floor_gets_one_line(bert_dir, text_csv, capsys, per):
+    """bf16 autocast at a radius far below what it resolves: the command line says so in
+    one line, with its own option names, for a whole measure and for blocks alike; at
+    a radius it resolves, in float32, no line."""
+    base = ["measure", str(bert_dir), "--data", str(text_csv), *SMALL, *per]
+    assert main([*base, "--autocast", "bf16", "--rho", "1e-7"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if "round-off floor" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: adaptive")
+    assert "(no --autocast)" in lines[0] and "--rho" in lines[0]
+    assert main([*base, "--rho", "0.05"]) == 0
+    assert "round-off floor" not in capsys.readouterr().err

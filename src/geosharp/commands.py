@@ -627,27 +627,34 @@ def run_measure(args) -> int:
                 ) from None
             row = result.to_dict()
             row.update(measure=name, seconds=time.perf_counter() - start)
+            parts = (  # what the round-off floor is checked on: the measure or each block
+                [(f"{name} [{block}]", r) for block, r in result.blocks.items()]
+                if args.per
+                else [(name, result)]
+            )
+            near = [
+                m
+                for label, r in parts
+                if (m := floor_message(label, r.rho, r.value, r.floor, r.settings["precision"]))
+            ]
             if args.per:  # the whole row of a block measure: its blocks
                 first = next(iter(result.blocks.values()))
                 row.update(rho=first.rho, loss=first.loss, geometry=first.geometry)
                 result = _Broken([w for b in result.blocks.values() for w in b.nonfinite])
             results.append(row)
             save(False)
-            floor = getattr(result, "floor", 0.0)  # per-block rows have none
-            message = (
-                floor_message(name, rhos[name], row["value"], floor, row["settings"]["precision"])
-                if floor
-                else None
-            )
-            if message is not None:  # in the command line's words
+            if near:  # in the command line's words
+                more = f" (and {len(near) - 1} more blocks)" if len(near) > 1 else ""
                 say(
                     "warning: "
-                    + message.replace("(no autocast)", "(no --autocast)")
+                    + near[0]
+                    .replace("(no autocast)", "(no --autocast)")
                     .replace(
                         "in float64 or with a larger rho",
                         "with a larger --rho (float64: the Python API)",
                     )
                     .replace("larger rho", "larger --rho")
+                    + more
                 )
             if result.nonfinite:
                 say(
