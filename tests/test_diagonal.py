@@ -71,7 +71,7 @@ def test_symmetry_self_check_and_reparameterize():
     assert geosharp.check_symmetries(net, x).ok
     before = net(x).detach()
     moved = copy.deepcopy(net)
-    geosharp.reparameterize(moved, cond=10.0, seed=1)
+    geosharp.reparameterize(moved, cond=10.0, seed=1, batch=x)
     assert not torch.allclose(moved.u, net.u)
     torch.testing.assert_close(moved(x), before, rtol=1e-12, atol=1e-12)
 

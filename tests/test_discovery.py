@@ -80,7 +80,7 @@ def test_an_opaque_kernel_is_named_not_guessed():
 def test_a_geodesic_measure_says_it_is_not_symmetry_correct():
     model, batch = _net(), _batch()
     est = geosharp.WorstCase(n_iters=2)
-    with pytest.warns(UserWarning, match="geodesic-inv: 1 attention module measured element-wise"):
+    with pytest.warns(UserWarning, match="geodesic-inv: 1 module measured element-wise"):
         result = geosharp.sharpness(model, [batch], _loss, "geodesic-inv", 0.1, est)
     assert not result.symmetry_complete
     assert "fused_attention" in result.symmetry["ignored"]["attn"][0]
@@ -197,7 +197,8 @@ def test_verification_falls_back_to_the_model_precision():
     x = torch.randn(3, 5, 8)
     sym = find_symmetries(model, x)
     assert {v.dtype for v in sym.verified.values()} == {"float32"}
-    assert all(v.ok and v.tolerance == 1e-4 for v in sym.verified.values())
+    eps = torch.finfo(torch.float32).eps  # the tolerance is what float32 resolves
+    assert all(v.ok and v.conclusive and v.tolerance >= 40 * eps for v in sym.verified.values())
 
 
 def test_discovery_leaves_the_model_unchanged():
@@ -289,5 +290,5 @@ def test_a_hand_written_attention_is_found_from_what_it_computes():
     gl = PairSpec(qk.module, "qk-as-GL", qk.g_blocks, qk.h_blocks)  # the rotated columns, GL(4)
     transforms = {gl.name: random_matrices(2, 4, 100.0)}
     moved = copy.deepcopy(model)
-    reparameterize(moved, Symmetries([gl], sym.parameters), transforms=transforms)
+    reparameterize(moved, Symmetries([gl], sym.parameters), transforms=transforms, unverified=True)
     assert (moved(x) - model(x)).abs().max() > 1e-3 * model(x).abs().max()

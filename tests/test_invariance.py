@@ -23,7 +23,7 @@ RHO = {"adaptive": 0.05, "inv": 0.05, "mix": 0.01}
 def case_and_twin(request):
     case = CASES[request.param]()
     twin = copy.deepcopy(case.model)
-    geosharp.reparameterize(twin, cond=100.0, seed=1)
+    geosharp.reparameterize(twin, cond=100.0, seed=1, batch=case.inputs)
     return case, twin
 
 

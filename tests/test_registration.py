@@ -104,7 +104,7 @@ def test_declare_pair_on_a_model():
         return m(batch).pow(2).mean()
 
     moved = copy.deepcopy(model)
-    reparameterize(moved, symmetries, cond=100, seed=1)
+    reparameterize(moved, symmetries, cond=100, seed=1, batch=x)
     for metric, rho in (("inv", 0.1), ("mix", 0.01)):
         a, b = (
             geosharp.sharpness(
@@ -118,17 +118,18 @@ def test_declare_pair_on_a_model():
 def test_register_handler_for_a_custom_class(monkeypatch):
     torch.manual_seed(0)
     model = Net().to(F64)
-    with pytest.warns(UserWarning, match="does not understand"):
-        assert find_symmetries(model).unrecognized == ["attn"]
+    x = torch.randn(3, 5, 4, dtype=F64)
+    with pytest.warns(UserWarning, match="does not understand.*<root>"):
+        assert find_symmetries(model).pairs == []  # no batch: nothing traced, said
 
     monkeypatch.setitem(handler_registry._HANDLERS, FusedSelfAttention, fused_attention_pairs)
-    symmetries = find_symmetries(model)
-    assert symmetries.unrecognized == []
+    symmetries = find_symmetries(model, warn=False)  # the handler's pairs, the rest untraced
+    assert symmetries.unrecognized == [""] and not symmetries.complete
+    assert find_symmetries(model, x).complete
     assert [(p.kind, p.shape) for p in symmetries.pairs] == [
         ("query-key", (2, 8, 8, 4)),
         ("value-output", (2, 8, 8, 4)),
     ]
-    x = torch.randn(3, 5, 4, dtype=F64)
     check = check_symmetries(model, x, cond=100)
     assert check.ok and check.max_rel_change < 1e-12
     assert "GL(4) x 2 heads" in symmetries.summary()
@@ -147,7 +148,8 @@ def test_a_wrong_declaration_is_caught_by_the_self_check():
         kind="query-key",
     )
     symmetries = find_symmetries(model, warn=False).with_pairs(wrong)
-    assert symmetries.unrecognized == []  # the declared module is no longer flagged
+    assert "attn" not in symmetries.unrecognized  # the declared module is no longer flagged
+    assert symmetries.unverified == ["attn:query-key"] and not symmetries.complete
     check = check_symmetries(model, torch.randn(3, 5, 4, dtype=F64), symmetries, cond=100)
     assert not check.ok
     assert "attn:query-key" in str(check)

@@ -76,11 +76,13 @@ class MyAttention(nn.Module):
 
 
 def test_unrecognised_attention_is_reported_not_guessed():
-    """Without a batch, a custom module is only seen by its name: flagged, never guessed."""
+    """Without a batch nothing can be traced, whatever the classes are called: what no
+    handler declares is flagged, never guessed."""
     model = nn.Sequential(MyAttention(), nn.Linear(4, 2))
-    with pytest.warns(UserWarning, match="does not understand.*: 0"):
+    with pytest.warns(UserWarning, match="does not understand.*<root>"):
         sym = geosharp.find_symmetries(model)
-    assert sym.pairs == [] and sym.unrecognized == ["0"] and sym.discovery == "structure"
+    assert sym.pairs == [] and sym.unrecognized == [""] and sym.discovery == "structure"
+    assert "no forward pass ran, so 0.q.weight and 5 more" in sym.ignored[""][0].reason
     assert "NOT RECOGNISED" in sym.summary()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -166,7 +168,7 @@ def test_reparameterize_in_place_and_returns_transforms():
     layer.eval()
     with torch.no_grad():
         before = layer(x)
-        transforms = geosharp.reparameterize(layer, cond=100, seed=2)
+        transforms = geosharp.reparameterize(layer, cond=100, seed=2, batch=x)
         after = layer(x)
     assert set(transforms) == {"self_attn:query-key", "self_attn:value-output"}
     A = transforms["self_attn:query-key"]

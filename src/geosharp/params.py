@@ -1,9 +1,12 @@
 """Safe functional evaluation of a user's model.
 
 A perturbed point is a ``{name: tensor}`` dict (views of a flat vector, see
-:mod:`geosharp.layout`), evaluated with :func:`torch.func.functional_call`, which
-swaps the tensors in for one call and restores them, also on error: the model's own
-tensors are never written.
+:mod:`geosharp.layout`), evaluated with :func:`swapped`, which puts the tensors in
+place for one call and puts the model's own objects back, also on error: the model's
+tensors are never written, and a module or parameter registered under several names
+(tied embeddings, a module shared by two layers) comes back as the same object under
+every name. (``torch.func.functional_call`` restores only the first name of an aliased
+module: the others keep the swapped tensors.)
 """
 
 from __future__ import annotations
@@ -11,24 +14,87 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
-import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFunction", "evaluation_mode", "functional_loss", "require_grad", "scalar_loss"]
+__all__ = [
+    "LossFunction",
+    "evaluation_mode",
+    "functional_loss",
+    "require_grad",
+    "scalar_loss",
+    "swapped",
+]
 
 LossFunction = Callable[[nn.Module, object], Tensor]
 
 
-class _LossModule(nn.Module):
-    """Wraps ``loss_fn(model, batch)`` so that ``functional_call`` can swap parameters."""
+@contextlib.contextmanager
+def swapped(
+    model: nn.Module, tensors: Mapping[str, Tensor], base: Mapping[str, Tensor] | None = None
+) -> Iterator[None]:
+    """``model`` computes with ``tensors`` (parameter or buffer names of ``model``, any
+    of an alias's names) in place of its own for the duration; every name that holds
+    the same object (a tied weight, a module registered twice) sees the replacement.
+    ``base``: replacements for the names (and aliases) that ``tensors`` leaves out. On
+    exit, also on error, every slot holds its original object again.
 
-    def __init__(self, model: nn.Module, loss_fn: LossFunction):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> model = torch.nn.Sequential(lin, lin)  # one module under two names
+    >>> with swapped(model, {"0.weight": torch.zeros(2, 2)}):
+    ...     float(model[1].weight.abs().sum())
+    0.0
+    >>> model[1].weight is lin.weight and isinstance(model[0].weight, torch.nn.Parameter)
+    True
+    """
+    if not tensors and not base:
+        yield
+        return
+    by_name, slots = _registry(model)
+    replacement: dict[int, tuple[Tensor, Tensor]] = {}  # id(original) -> (original, new)
+    for given in (base or {}, tensors):
+        claimed: set[int] = set()
+        for name, new in given.items():
+            original = by_name.get(name)
+            if original is None:
+                raise KeyError(f"{name!r} is not a parameter or buffer of the model")
+            held = replacement.get(id(original))
+            if held is not None and held[1] is not new and id(original) in claimed:
+                raise ValueError(
+                    f"{name!r} is tied to another name given a different tensor: give one"
+                )
+            replacement[id(original)] = (original, new)
+            claimed.add(id(original))
+    written: list[tuple[dict, str, Tensor]] = []
+    try:
+        for key, (original, new) in replacement.items():
+            for table, attr in slots[key]:
+                written.append((table, attr, original))
+                table[attr] = new
+        yield
+    finally:
+        for table, attr, original in reversed(written):
+            table[attr] = original
 
-    def forward(self, batch: object) -> Tensor:
-        return self.loss_fn(self.model, batch)
+
+def _registry(model: nn.Module) -> tuple[dict[str, Tensor], dict[int, list[tuple[dict, str]]]]:
+    """Every name of every parameter and buffer (aliases included), and for each object
+    the tables and keys that hold it."""
+    slots: dict[int, list[tuple[dict, str]]] = {}
+    by_name: dict[str, Tensor] = {}
+    seen: set[tuple[int, str]] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = module.__dict__[kind]
+            first = (id(module), kind) not in seen
+            seen.add((id(module), kind))
+            for attr, value in table.items():
+                if value is None:
+                    continue
+                by_name[f"{prefix}.{attr}" if prefix else attr] = value
+                if first:
+                    slots.setdefault(id(value), []).append((table, attr))
+    return by_name, slots
 
 
 def functional_loss(
@@ -40,12 +106,10 @@ def functional_loss(
     their values, or take the ones in ``base`` (parameters and buffers, e.g. float32
     copies). The model is left untouched, also when ``loss_fn`` raises.
     """
-    wrapper = _LossModule(model, loss_fn)
-    fixed = {f"model.{k}": v for k, v in (base or {}).items()}
 
     def evaluate(params: Mapping[str, Tensor], batch: object) -> Tensor:
-        prefixed = {**fixed, **{f"model.{k}": v for k, v in params.items()}}
-        return torch.func.functional_call(wrapper, prefixed, (batch,), strict=False)
+        with swapped(model, params, base):
+            return loss_fn(model, batch)
 
     return evaluate
 

@@ -81,11 +81,12 @@ class SharpnessResult:
 
     @property
     def symmetry_complete(self) -> bool:
-        """Whether every attention symmetry found was used: ``False`` when some attention
-        modules were measured element-wise because geosharp did not understand their
-        symmetry (``symmetry["ignored"]`` says which and why); always ``True`` for
+        """Whether every symmetry found was used and every pair used was verified on the
+        model: ``False`` when some modules were measured element-wise because geosharp
+        did not understand their symmetry (``symmetry["ignored"]`` says which and why) or
+        a pair was used unverified (``symmetry["unverified"]``); always ``True`` for
         measures without a pair factor (adaptive, Euclidean)."""
-        return not self.symmetry.get("ignored")
+        return not self.symmetry.get("ignored") and not self.symmetry.get("unverified")
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -614,6 +615,7 @@ def _symmetry_report(target: _Target, geo: Geometry) -> dict:
         "pairs": sum(p.shape[0] for p in target.pairs),
         "attention_modules": len(sym.attention),
         "verified": sum(1 for p in target.pairs if p.name in sym.verified),
+        "unverified": [p.name for p in target.pairs if p.name not in sym.verified],
         "absent": absent,
         "ignored": ignored,
     }
@@ -622,15 +624,26 @@ def _symmetry_report(target: _Target, geo: Geometry) -> dict:
 def _say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
     """Warn (or, ``strict``, raise) when a geodesic measure would treat attention
     modules element-wise because their symmetry was not understood."""
-    ignored = symmetries.ignored
-    if not ignored:
+    ignored, unverified = symmetries.ignored, symmetries.unverified
+    if not ignored and not unverified:
         return
-    first, drops = next(iter(ignored.items()))
-    reason = drops[0].reason if drops[0].kind == "all" else f"{drops[0].kind}: {drops[0].reason}"
-    message = (
-        f"{label}: {len(ignored)} attention module{'s' * (len(ignored) != 1)} measured "
-        f"element-wise because geosharp does not understand their symmetry ({first}: "
-        f"{reason}); the value is not symmetry-correct there (see result.symmetry, "
+    if ignored:
+        first, drops = next(iter(ignored.items()))
+        drop = drops[0]
+        reason = drop.reason if drop.kind == "all" else f"{drop.kind}: {drop.reason}"
+        message = (
+            f"{label}: {len(ignored)} module{'s' * (len(ignored) != 1)} measured "
+            f"element-wise because geosharp does not understand their symmetry "
+            f"({first or '<root>'}: {reason})"
+        )
+    else:
+        message = (
+            f"{label}: {len(unverified)} pair block{'s' * (len(unverified) != 1)} used without "
+            f"a numerical check on the model ({unverified[0]}): pass symmetries found with a "
+            "batch, find_symmetries(model, batch, loss_fn=...)"
+        )
+    message += (
+        "; the value is not symmetry-correct there (see result.symmetry, "
         "find_symmetries(model).summary())"
     )
     if strict:

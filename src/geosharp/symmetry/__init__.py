@@ -3,7 +3,7 @@ computes and verified on it, and acting with the group."""
 
 from .check import SymmetryCheck, check_symmetries
 from .declare import declare_pair
-from .discovery import find_symmetries
+from .discovery import find_symmetries, verify_symmetries
 from .groups import random_transforms, transform_parameters
 from .handlers import Projection, attention_pairs
 from .inputs import example_inputs
@@ -31,4 +31,5 @@ __all__ = [
     "register_matcher",
     "reparameterize",
     "transform_parameters",
+    "verify_symmetries",
 ]

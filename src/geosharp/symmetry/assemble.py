@@ -94,13 +94,17 @@ class Assembly:
     """Pairs found in a trace, the attention modules (by the module that computed their
     scores) and, per attention module, the pairs dropped with their reasons; ``ran``:
     the modules whose forward ran, ``opaque``: ``(module, op)`` where features entered
-    an op the trace cannot look into."""
+    an op the trace cannot look into; ``uses``: per parameter, the modules that used it;
+    ``unknown``: ``(module, reason, params)`` per op the trace cannot look into, with
+    the parameters whose projection features entered it."""
 
     pairs: list[PairSpec]
     attention: list[str]
     dropped: list[Dropped]
     ran: set[str] = field(default_factory=set)
     opaque: list[tuple[str, str]] = field(default_factory=list)
+    uses: dict[str, set[str]] = field(default_factory=dict)
+    unknown: list[tuple[str, str, frozenset[str]]] = field(default_factory=list)
 
 
 def assemble(trace: Trace, names_of_modules: list[str]) -> Assembly:
@@ -227,8 +231,21 @@ class _Builder:
                 dropped.append(Dropped(name, kind, err.reason, err.exact))
         return Assembly(
             pairs, list(dict.fromkeys(attention)), dropped, set(self.trace.ran),
-            list(self.trace.opaque),
+            list(self.trace.opaque), dict(self.trace.uses), self.unknown(),
         )  # fmt: skip
+
+    def unknown(self) -> list[tuple[str, str, frozenset[str]]]:
+        """The ops the trace could not look into, with the parameters whose features
+        entered each (every projection a run of feature ids overlaps)."""
+        out = []
+        for runs, reason, module in self.trace.unknown:
+            lo = self.source_of(runs[:, 0]).tolist()
+            hi = self.source_of(runs[:, 1] - 1).tolist()
+            params = frozenset(
+                self.trace.sources[i].param for a, b in zip(lo, hi) for i in range(a, b + 1)
+            )
+            out.append((module, reason, params))
+        return out
 
     def query_key(self) -> dict[str, tuple[list, _NotPair | None]]:
         """Per attention module, its query/key components (or why there are none)."""

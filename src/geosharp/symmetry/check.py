@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..params import evaluation_mode
+from ..params import evaluation_mode, swapped
 from .discovery import find_symmetries
 from .groups import random_transforms, transform_parameters
 from .pairs import PairSpec, Symmetries
@@ -109,7 +109,8 @@ def _outputs(model: nn.Module, batch: object, params: Mapping[str, Tensor]) -> l
         args, kwargs = batch, {}
     else:
         args, kwargs = (batch,), {}
-    out = torch.func.functional_call(model, dict(params), args, kwargs)
+    with swapped(model, params):
+        out = model(*args, **kwargs)
     tensors = _floating_tensors(out)
     if not tensors:
         raise TypeError("the model's output holds no floating-point tensor to compare")

@@ -27,26 +27,25 @@ symmetry-correct, and the measures say so).
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import SymmetryWarning
+from ..params import swapped
 from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .assemble import Assembly, assemble
 from .inputs import example_inputs
 from .pairs import Block, Dropped, PairSpec, Symmetries
 from .registry import handler_for
 from .trace import Tracer
-from .verify import capture_inputs, unit_of, verify_pairs
+from .verify import LOSS, capture_inputs, unit_of, verify_pairs
 
-__all__ = ["find_symmetries"]
-
-_ATTENTION_LIKE = re.compile(r"attention|attn|selfatt|mha", re.IGNORECASE)
+__all__ = ["find_symmetries", "verify_symmetries"]
 
 
 def find_symmetries(
@@ -102,8 +101,7 @@ def find_symmetries(
     attention: list[str] = list(handled)
     dropped: list[Dropped] = []
     traced: list[PairSpec] = []
-    ran: set[str] = set()
-    opaque: list[tuple[str, str]] = []
+    unknown: list[tuple[str, str, frozenset[str]]] = []
     discovery = "structure"
     assembly = None
     if run is not None:
@@ -118,15 +116,21 @@ def find_symmetries(
     if assembly is not None:
         discovery = "trace"
         traced = assembly.pairs
-        ran, opaque = assembly.ran, assembly.opaque
+        unknown = assembly.unknown
         attention += [a for a in assembly.attention if a not in attention]
         trainable = {n for n, p in named if p.requires_grad}
-        dropped += [_adapted(d, handled, trainable) for d in assembly.dropped]
+        adapters = handled + [p.module for p in declared]
+        dropped += [_adapted(d, adapters, trainable) for d in assembly.dropped]
 
+    traced, merged_drops = _merged(traced)
+    dropped += merged_drops
     candidates = declared + traced  # declared layouts first
     checks = [None] * len(candidates)
-    if run is not None and verify and not meta and candidates:
-        checks = _verify(model, run, candidates, cond, seed)
+    checked = run is not None and verify and not meta and bool(candidates)
+    if checked:
+        uses = _uses(model, assembly.uses if assembly is not None else {})
+        ran = assembly.ran if assembly is not None else None
+        checks = _verify(model, run, candidates, cond, seed, uses, ran)
     pairs, failed, kept_declared = [], [], []
     verified = {}
     for i, (pair, check) in enumerate(zip(candidates, checks)):
@@ -135,6 +139,13 @@ def find_symmetries(
             continue
         if i >= len(declared) and any(_overlap(pair, d) for d in kept_declared):
             continue  # the trace's copy of a declared pair
+        if checked and (check is None or not check.conclusive):
+            dropped.append(Dropped(pair.module, pair.kind, _unverified(check), exact=False))
+            if warn:
+                warnings.warn(
+                    f"{pair.name}: not used, {_unverified(check)}", SymmetryWarning, stacklevel=2
+                )
+            continue
         pairs.append(pair)
         if i < len(declared):
             kept_declared.append(pair)
@@ -142,8 +153,9 @@ def find_symmetries(
             verified[pair.name] = check
     for pair, check in failed:
         reason = (
-            f"a transform in its group changes the output of {check.unit or 'the model'} "
-            f"by {check.change:.1e} (relative, {check.dtype}): not a symmetry"
+            f"a transform in its group changes the output of {_unit_name(check.unit)} "
+            f"by {check.change:.1e} (relative, {check.dtype}; tolerance "
+            f"{check.tolerance:.0e}): not a symmetry"
         )
         if any(_overlap(pair, p) for p in pairs):
             if warn:
@@ -158,16 +170,29 @@ def find_symmetries(
         if warn:
             warnings.warn(f"{pair.name}: dropped, {reason}", SymmetryWarning, stacklevel=2)
 
-    covered = attention + [p.module for p in pairs]
-    unrecognized = [
-        u
-        for u in _attention_like(model)
-        if not any(_related(u, c) for c in covered) and u not in {d.module for d in dropped}
-    ]
-    if discovery == "trace":  # the trace saw everything that ran
-        dropped += [Dropped(u, "all", _unseen(u, ran, opaque), exact=False) for u in unrecognized]
-    ignored = {d.module for d in dropped if not d.exact}
-    unrecognized += [m for m in dict.fromkeys(d.module for d in dropped) if m in ignored]
+    # features that entered an op the trace cannot look into: not understood, unless
+    # every parameter they come from is in a verified pair or a module already said so
+    paired = {n for p in pairs for n in p.params}
+    for module, op, params in unknown:
+        said = {d.module for d in dropped if not d.exact}
+        if params <= paired or any(_related(module, m) for m in said):
+            continue
+        reason = (
+            f"projection features of {', '.join(sorted(params)[:2])}"
+            f"{' ...' if len(params) > 2 else ''} enter {op}, which the trace cannot look into "
+            "(discover with eager or sdpa attention, or declare the pairs)"
+        )
+        dropped.append(Dropped(module, "all", reason, exact=False))
+    if discovery == "structure":  # nothing ran: what no handler declares is unknown
+        outside = [n for n, _ in named if not any(_inside(n, h) for h in handled)]
+        if outside:
+            reason = (
+                f"no forward pass ran, so {outside[0]}"
+                f"{f' and {len(outside) - 1} more parameters' if len(outside) > 1 else ''} "
+                "could not be traced: pass a batch, find_symmetries(model, batch)"
+            )
+            dropped.append(Dropped("", "all", reason, exact=False))
+    unrecognized = list(dict.fromkeys(d.module for d in dropped if not d.exact))
     symmetries = Symmetries(
         pairs=pairs,
         parameters={n: tuple(p.shape) for n, p in named},
@@ -180,15 +205,56 @@ def find_symmetries(
     symmetries.validate()
     if warn and symmetries.unrecognized:
         warnings.warn(
-            "geosharp does not understand the symmetries of these attention-like modules; "
+            "geosharp does not understand the symmetries of these modules; "
             "their parameters are measured element-wise: "
-            + ", ".join(symmetries.unrecognized)
+            + ", ".join(u or "<root>" for u in symmetries.unrecognized)
             + ". See find_symmetries(model).summary(); declare their pairs with "
             "geosharp.symmetry.declare_pair or register_handler if they have any.",
             SymmetryWarning,
             stacklevel=2,
         )
     return symmetries
+
+
+def verify_symmetries(
+    model: nn.Module,
+    symmetries: Symmetries,
+    inputs: object,
+    *,
+    loss_fn: Callable[[nn.Module, object], Tensor] | None = None,
+    cond: float = 10.0,
+    seed: int = 0,
+) -> Symmetries:
+    """``symmetries`` with every :attr:`~Symmetries.unverified` pair (declared by hand,
+    or found without a batch) checked on ``inputs`` (passed as in
+    :func:`find_symmetries`): a pair that a transform refutes, or whose check is not
+    conclusive, is dropped with the reason. The model is left unchanged."""
+    todo = [p for p in symmetries.pairs if p.name in set(symmetries.unverified)]
+    if not todo:
+        return symmetries
+    run = _forward(model, inputs, loss_fn)
+    checks = _verify(model, run, todo, cond, seed, _uses(model, {}))
+    verified, dropped, bad = dict(symmetries.verified), list(symmetries.dropped), set()
+    for pair, check in zip(todo, checks):
+        if check is not None and check.ok and check.conclusive:
+            verified[pair.name] = check
+            continue
+        reason = (
+            _unverified(check)
+            if check is None or check.ok
+            else f"a transform in its group changes the output of {_unit_name(check.unit)} "
+            f"by {check.change:.1e} (tolerance {check.tolerance:.0e}): not a symmetry"
+        )
+        dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
+        bad.add(pair.name)
+    modules = [*symmetries.unrecognized, *(p.module for p in todo if p.name in bad)]
+    return replace(
+        symmetries,
+        pairs=[p for p in symmetries.pairs if p.name not in bad],
+        verified=verified,
+        dropped=dropped,
+        unrecognized=list(dict.fromkeys(modules)),
+    )
 
 
 def _handled_pairs(model: nn.Module, name_of) -> tuple[list[PairSpec], list[str]]:
@@ -204,8 +270,7 @@ def _handled_pairs(model: nn.Module, name_of) -> tuple[list[PairSpec], list[str]
             found = handler(module, prefix, name_of)
             pairs.extend(found)
             done.append(prefix)
-            if found or _ATTENTION_LIKE.search(type(module).__name__):
-                handled.append(prefix)
+            handled.append(prefix)
     return pairs, handled
 
 
@@ -322,6 +387,8 @@ def _traced_parts(model: nn.Module, meta: bool):
         [d for a in found for d in a.dropped],
         {m for a in found for m in a.ran},
         [o for a in found for o in a.opaque],
+        {k: v for a in found for k, v in a.uses.items()},
+        [u for a in found for u in a.unknown],
     )
     return merged, lambda: [run() for run in runs]
 
@@ -353,6 +420,8 @@ def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
         dropped,
         {name(m) for m in assembly.ran},
         [(name(m), op) for m, op in assembly.opaque],
+        {name(p): {name(m) if m != LOSS else m for m in ms} for p, ms in assembly.uses.items()},
+        [(name(m), r, frozenset(map(name, ps))) for m, r, ps in assembly.unknown],
     )
 
 
@@ -373,38 +442,83 @@ def _trace_meta(model: nn.Module, run) -> Tracer:
     params = {n: fake.from_tensor(p) for n, p in model.named_parameters()}
     buffers = {n: fake.from_tensor(b) for n, b in model.named_buffers()}
     tracer = Tracer(model, tensors=params, buffers=buffers, fake=True)
-    with tracer.running(), fake, _swapped(model, {**params, **buffers}):
+    with tracer.running(), fake, swapped(model, {**params, **buffers}):
         run()
     return tracer
 
 
-@contextlib.contextmanager
-def _swapped(model: nn.Module, tensors: dict[str, Tensor]):
-    """The model's tensors replaced by ``tensors`` for the duration (restored after)."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    with _reparametrize_module(model, tensors):
-        yield
-
-
-def _verify(model, run, pairs, cond, seed):
-    """The check of each pair (``None`` where its module did not run)."""
+def _verify(model, run, pairs, cond, seed, uses, ran=None):
+    """The check of each pair (``None`` where its unit did not run)."""
     modules = dict(model.named_modules())
-    inputs = capture_inputs(model, run, [unit_of(p, modules) for p in pairs])
-    return verify_pairs(model, pairs, inputs, cond=cond, seed=seed)
+    inputs = capture_inputs(model, run, [unit_of(p, modules, uses, ran) for p in pairs])
+    return verify_pairs(model, pairs, inputs, cond=cond, seed=seed, uses=uses, run=run, ran=ran)
 
 
-def _unseen(module: str, ran: set[str], opaque: list[tuple[str, str]]) -> str:
-    """Why the trace found no attention in an attention-like module."""
-    if module not in ran:
-        return "the traced forward pass did not run it (pass a batch that uses it)"
-    ops = list(dict.fromkeys(op for m, op in opaque if _inside(m, module)))
-    if ops:
-        return (
-            f"its projections enter {', '.join(ops[:3])}, which the trace cannot look into "
-            "(discover with eager or sdpa attention, or declare its pairs)"
+def _uses(model: nn.Module, traced: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """Per parameter (by its first name), every module that holds it under any name
+    and every module whose forward used it in the trace."""
+    first: dict[int, str] = {}
+    out: dict[str, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = first.setdefault(id(p), name)
+        out.setdefault(key, set()).add(name.rsplit(".", 1)[0] if "." in name else "")
+    for name, modules in traced.items():
+        out.setdefault(name, set()).update(modules)
+    return out
+
+
+def _unit_name(unit: str) -> str:
+    return {"": "the model", LOSS: "the loss"}.get(unit, unit)
+
+
+def _unverified(check) -> str:
+    if check is None:
+        return "not verified: the module holding it did not run on this batch"
+    return (
+        f"not verified: the output of {_unit_name(check.unit)} barely depends on it (a "
+        f"transform that is not a symmetry moved it by {check.power:.1e}, under 100 times "
+        f"the tolerance {check.tolerance:.0e})"
+    )
+
+
+def _merged(pairs: list[PairSpec]) -> tuple[list[PairSpec], list[Dropped]]:
+    """Traced pairs that claim common entries (one projection module shared by two
+    layers): one joint pair where one side's blocks are the same (the other sides
+    stacked), else both dropped with the reason."""
+    out: list[PairSpec] = []
+    dropped: list[Dropped] = []
+    for pair in pairs:
+        clash = next((i for i, p in enumerate(out) if _overlap(pair, p)), None)
+        if clash is None:
+            out.append(pair)
+            continue
+        other = out[clash]
+        joint = None
+        if other.group == pair.group and other.kind == pair.kind:
+            if _same_blocks(other.g_blocks, pair.g_blocks):
+                joint = (other.g_blocks, other.h_blocks + pair.h_blocks)
+            elif _same_blocks(other.h_blocks, pair.h_blocks):
+                joint = (other.g_blocks + pair.g_blocks, other.h_blocks)
+        if joint is not None:
+            try:
+                out[clash] = PairSpec(
+                    other.module, other.kind, *joint, group=other.group,
+                    note=f"shared with {pair.module}",
+                )  # fmt: skip
+                continue
+            except ValueError:
+                pass
+        out.pop(clash)
+        reason = (
+            f"{other.module} and {pair.module} use one parameter in pairs of different "
+            "layouts: no joint pair"
         )
-    return "its forward pass ran, but computes no attention the trace can follow"
+        dropped += [Dropped(p.module, p.kind, reason, exact=False) for p in (other, pair)]
+    return out, dropped
+
+
+def _same_blocks(a: tuple[Block, ...], b: tuple[Block, ...]) -> bool:
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b))
 
 
 def _overlap(a: PairSpec, b: PairSpec) -> bool:
@@ -437,19 +551,6 @@ def _adapted(d: Dropped, handled: list[str], trainable: set[str]) -> Dropped:
         return Dropped(d.module, d.kind, reason, exact=False)
     reason = "its projections carry adapters (LoRA), whose own pairs are used instead"
     return Dropped(d.module, d.kind, reason, exact=True)
-
-
-def _attention_like(model: nn.Module) -> list[str]:
-    """Modules whose class name looks like attention and that hold parameters."""
-    out = []
-    for prefix, module in model.named_modules():
-        if _ATTENTION_LIKE.search(type(module).__name__) and any(True for _ in module.parameters()):
-            out.append(prefix or f"<root {type(module).__name__}>")
-    return _outermost(out)
-
-
-def _outermost(names: list[str]) -> list[str]:
-    return [n for n in names if not any(n != m and _inside(n, m) for m in names)]
 
 
 def _related(a: str, b: str) -> bool:

@@ -373,15 +373,20 @@ class Symmetries:
                 out[d.module].append(d)
         for name in self.unrecognized:
             if name not in out:
-                out[name].append(
-                    Dropped(name, "all", "attention-like module not understood", False)
-                )
+                out[name].append(Dropped(name, "all", "module not understood", False))
         return dict(out)
 
     @property
+    def unverified(self) -> list[str]:
+        """The pairs used without a numerical check on the model (declared by hand, or
+        found without a batch to run): they may not be symmetries."""
+        return [p.name for p in self.pairs if p.name not in self.verified]
+
+    @property
     def complete(self) -> bool:
-        """Whether every attention symmetry found is used (nothing :attr:`ignored`)."""
-        return not self.ignored
+        """Whether every symmetry found is used (nothing :attr:`ignored`) and every pair
+        used was verified on the model (nothing :attr:`unverified`)."""
+        return not self.ignored and not self.unverified
 
     def summary(self) -> str:
         """Per module, the pairs, their groups and checks, and the pairs dropped with

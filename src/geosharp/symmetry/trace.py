@@ -269,6 +269,12 @@ class Trace:
     """``(module, op)``: features entered an op the trace cannot look into."""
     ran: set[str] = field(default_factory=set)
     """The modules whose forward ran."""
+    uses: dict[str, set[str]] = field(default_factory=dict)
+    """Per parameter, the modules whose forward used it (``"<loss>"``: outside the
+    model's forward)."""
+    unknown: list[tuple[Tensor, str, str]] = field(default_factory=list)
+    """``(runs, reason, module)``: projection features that entered, themselves, an op
+    the trace cannot look into (not those joining an activation already tainted)."""
 
 
 # --- the function mode ------------------------------------------------------------------
@@ -302,7 +308,15 @@ _NONLINEAR = {
     "erf", "square", "reciprocal", "softplus", "mish", "elu", "leaky_relu", "hardtanh",
     "logsumexp", "cumsum", "sign", "floor", "ceil", "round", "relu6", "glu", "prod",
     "var_mean", "std_mean", "__abs__", "cos", "sin", "atan", "hardswish", "hardsigmoid",
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "logsigmoid",
+    "log1p", "expm1", "selu", "celu", "silu_", "relu_", "softsign", "tanhshrink",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "index_add",
+    "index_add_", "scatter_add", "scatter_add_", "scatter", "scatter_", "index_copy",
+    "index_copy_", "index_put", "index_put_", "embedding_bag",
 }  # fmt: skip
+# Linear along the axes they reduce: over tokens they keep a head's features.
+_TOKEN_LINEAR = {"sum", "mean", "cumsum", "nansum", "nanmean"}
 # Queries that return no tensor.
 _QUERIES = {"size", "dim", "numel", "shape", "dtype", "device", "is_floating_point",
                    "stride", "storage_offset", "data_ptr", "element_size", "ndim",
@@ -502,10 +516,18 @@ class Tracer:
         elif any(isinstance(s, (Feat, Taint)) for s in shadows):
             result = self._taint(shadows, f"{what} in {self.here}", certain=False)
             self.trace.opaque.append((self.where, what))
+            self._unknown(shadows, f"{what} in {self.here}")
         else:
             return
         for t in _tensors(out):
             self._set(t, result)
+
+    def _unknown(self, shadows: list, reason: str) -> None:
+        """Record the features of ``shadows`` as entering an op the trace cannot read."""
+        runs = [_runs(slot) for s in shadows if isinstance(s, Feat) for slot in s.slots]
+        runs = [r for r in runs if r.numel()]
+        if runs:
+            self.trace.unknown.append((torch.cat(runs), reason, self.where))
 
     def _taint(self, shadows: list, reason: str, certain: bool) -> Taint:
         """The taint of an op's result: the first input taint's, else a new one; the
@@ -532,6 +554,11 @@ class Tracer:
         if not outs and name != "__setitem__":
             return
         inputs = _tensors((args, kwargs))
+        for t in inputs:
+            index = self._param_index.get(id(t))
+            if index is not None:
+                where = self._stack[-1] if self._stack else "<loss>"
+                self.trace.uses.setdefault(self.trace.params[index], set()).add(where)
         shadows = [self.shadow(t) for t in inputs if t.is_floating_point() or t.is_complex()]
         if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
             return self._sdpa(args, kwargs, out)
@@ -558,6 +585,8 @@ class Tracer:
             return self._mul(name, args, out, shadows)
         if name == "where":
             return self._where(args, kwargs, out, shadows)
+        if name in _TOKEN_LINEAR and isinstance(shadows[0] if shadows else None, Feat):
+            return self._reduce(name, args, kwargs, outs, shadows)
         if name in ("masked_fill", "masked_fill_"):
             return self._generic(name, outs, shadows, certain=True)
         self._generic(name, outs, shadows, certain=name in _NONLINEAR)
@@ -569,6 +598,7 @@ class Tracer:
             result = self._taint(shadows, f"{name} in {self.here}", certain)
             if not certain and any(isinstance(s, Feat) for s in shadows):
                 self.trace.opaque.append((self.where, name))
+                self._unknown(shadows, f"{name} in {self.here}")
         elif any(isinstance(s, (PRef, PDerived)) for s in shadows):
             if any(s is None for s in shadows):
                 result = None  # a parameter applied to an activation: an activation
@@ -586,6 +616,31 @@ class Tracer:
             result = CONST
         for t in outs:
             self._set(t, result)
+
+    def _reduce(self, name, args, kwargs, outs, shadows) -> None:
+        """A sum, mean or cumulative sum: along axes where every element holds the same
+        features (tokens, landmarks, windows) it keeps them; across features it is not
+        linear in the head's columns (a taint)."""
+        x, feat = args[0], shadows[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if len(shadows) != 1 or dim is None or isinstance(dim, torch.dtype) or dim == ():
+            return self._generic(name, outs, shadows, certain=True)
+        dims = sorted({d % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])})
+        for slot in feat.slots:
+            for d in dims:
+                if not bool((slot == slot.narrow(d, 0, 1)).all()):
+                    return self._generic(name, outs, shadows, certain=True)
+        if name == "cumsum":
+            slots = list(feat.slots)
+        else:
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            slots = []
+            for slot in feat.slots:
+                for d in reversed(dims):
+                    slot = slot.narrow(d, 0, 1) if keep else slot.select(d, 0)
+                slots.append(slot)
+        for t in outs:
+            self._set(t, Feat(slots, feat.mix))
 
     # -- data movement ---------------------------------------------------------------------
 
@@ -807,22 +862,21 @@ class Tracer:
         divides = name in ("div", "__truediv__", "__itruediv__", "div_", "true_divide", "divide")
         if SCORE in (sa, sb):
             result: Shadow | None = SCORE
-        elif isinstance(sa, Taint) or isinstance(sb, Taint):
-            result = self._taint([sa, sb], "", True)
         elif isinstance(sa, Feat) and isinstance(sb, Feat):
             result = self._taint([sa, sb], f"product of features in {self.here}", True)
         elif isinstance(sa, Feat) or isinstance(sb, Feat):
-            feat, other, other_t = (sa, sb, b) if isinstance(sa, Feat) else (sb, sa, a)
+            feat = sa if isinstance(sa, Feat) else sb
             if divides and not isinstance(sa, Feat):
-                result = self._taint([feat], f"division by features in {self.here}", True)
-            elif isinstance(other, (PRef, PDerived)) and not (
-                isinstance(other_t, Tensor) and other_t.numel() == 1
-            ):
-                what = other.param if isinstance(other, PRef) else ", ".join(sorted(other.params))
-                result = self._taint([feat], f"scaled by parameter {what} in {self.here}", True)
+                result = self._taint([sa, sb], f"division by features in {self.here}", True)
             else:
+                # scaled by a number, a parameter, an activation or a gate: a scale shared
+                # by a head's columns commutes with GL(h) of that head, one that varies
+                # across them does not; the pair is kept as a candidate and its
+                # numerical verification decides
                 shape = tuple(outs[0].shape)
                 result = Feat([_bcast(s, shape) for s in feat.slots], feat.mix)
+        elif isinstance(sa, Taint) or isinstance(sb, Taint):
+            result = self._taint([sa, sb], "", True)
         elif (
             isinstance(sa, PRef)
             and not isinstance(sb, (PRef, PDerived, Feat))
@@ -902,6 +956,7 @@ class Tracer:
             self.trace.opaque.append((self.where, reason))
             if not shadows:
                 return Taint(reason, False)
+            self._unknown(shadows, reason)
             return self._taint(shadows, reason, certain=False)
         featlike = [k in ("feat", "taint") for k in kinds]
         if all(featlike):
@@ -993,9 +1048,9 @@ class Tracer:
         """Two projections contracted over their features: attention scores."""
         for s, letters in ((sl, ll), (sr, lr)):
             if isinstance(s, Feat) and _constant_along(s, letters, contracted):
-                return self._taint(
-                    [sl, sr], f"projections contracted over tokens in {self.here}", False
-                )
+                reason = f"projections contracted over tokens in {self.here}"
+                self._unknown([sl, sr], reason)
+                return self._taint([sl, sr], reason, False)
         self.trace.cores.append(
             Core(
                 self.where,

@@ -1,57 +1,84 @@
-r"""Verify pairs numerically on the user's model, module by module.
+r"""Verify pairs numerically on the user's model, where the answer is true for the model.
 
 A pair is a symmetry when ``(G, H) -> (G A, H A^{-T})`` leaves the model's function
-unchanged for every ``A`` in its group. Each pair is checked on the smallest module
-holding all its parameters (its *unit*, e.g. one attention layer), with the inputs
-that module received in a forward pass of the model: one forward of the unit with
-the pair transformed by a random element of condition number ``cond``, compared with
-one forward untransformed (shared by the unit's pairs), in float64 where the unit
-runs in it (else in its own precision). A second transform, ``G -> G A`` alone, which
-is not a symmetry, measures whether the unit's output depends on the pair enough for
-the check to tell (:attr:`~geosharp.symmetry.pairs.Verification.conclusive`).
+unchanged for every ``A`` in its group. Each pair is checked on its *unit*: the
+smallest module that holds every use of its parameters (every name a parameter or
+its module is registered under, and every module in which the traced forward pass
+used it: a weight tied to the output head, a projection shared by two layers, a
+branch outside the attention widen the unit, up to the whole model; a use outside
+the model's forward, in ``loss_fn``, makes the unit the loss itself, ``"<loss>"``).
+The unit runs on the inputs it received in a forward pass of the model, once
+untransformed, once with the pair transformed by a random element of condition number
+``cond``, and once with ``G -> G A`` alone, which is not a symmetry: the *control*.
+The unit runs in float64 where it can (else in its own precision).
 
-The model is never changed: the unit runs functionally (``torch.func.functional_call``)
-on float64 copies of its own tensors only, so no copy of the whole model is made.
+The change is measured entry by entry over the finite entries of every output
+(masked logits, ``-inf`` or ``-1e9``, say nothing): ``|y' - y| / (|y| + s)``, with
+``s`` the largest change the control makes, its largest value the change. The
+tolerance is what the precision resolves on that unit and that pair:
+``c * eps * cond * kappa``, ``eps`` of the lowest precision the unit computes in
+(GPT-Neo computes part of its attention in float32 inside a float64 model), ``kappa``
+the pair's own cancellation ``max_head |G|_F |H|_F / |G H^T|_F`` (large on a badly
+balanced, re-parameterised copy). A check is *conclusive* only when the control
+moves the output by 100 times the tolerance or more; a pair whose check is not
+conclusive is not called verified.
+
+The model is never changed: the unit computes with copies swapped in for the
+duration (:func:`~geosharp.params.swapped`), and every object is put back.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..params import evaluation_mode
+from ..params import evaluation_mode, swapped
 from .groups import random_group_elements, read_block, write_block
 from .pairs import PairSpec, Verification
 
-__all__ = ["TOLERANCE", "capture_inputs", "unit_of", "verify_pairs"]
+__all__ = ["LOSS", "TOLERANCE_FACTOR", "capture_inputs", "unit_of", "verify_pairs"]
 
-TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
-"""Largest relative output change of a symmetry, per precision (others: 3e-2). In
-float64 it leaves room for modules that compute part of their attention in float32
-(transformers does for GPT-Neo, GPT-J, CodeGen, Cohere, ModernBERT: 1e-7); a pair that
-is not a symmetry moves the output by as much as a transform of ``G`` alone."""
+LOSS = "<loss>"
+"""The unit of a pair whose parameters are used outside the model's forward."""
+
+TOLERANCE_FACTOR = 4.0
+"""``c`` in the tolerance ``c * eps * cond * kappa`` (module docstring)."""
 
 _CACHE_KEYS = ("past_key_value", "past_key_values", "layer_past", "cache_params", "cache")
 
 
-def unit_of(pair: PairSpec, modules: Sequence[str] | None = None) -> str:
-    """The smallest module that holds every parameter of ``pair`` and the module the
-    pair belongs to (``pair.module``: a fused ``qkv`` projection alone is not invariant,
-    its attention is); ``""``: the model. With ``modules`` (the model's module names),
-    the nearest of them at or above."""
-    parts = [p.split(".")[:-1] for p in pair.params]
-    parts.append(pair.module.split(".") if pair.module else [])
+def unit_of(
+    pair: PairSpec,
+    modules: Sequence[str] | None = None,
+    uses: Mapping[str, set[str]] | None = None,
+    ran: set[str] | None = None,
+) -> str:
+    """The smallest module that holds ``pair.module`` and every use of the pair's
+    parameters; ``""``: the model, :data:`LOSS`: the loss (a use outside the model's
+    forward). ``uses``: per parameter name, every module that holds or used it (its
+    aliases' modules and the trace's uses). With ``modules`` (the model's module
+    names), the nearest of them at or above; with ``ran``, the nearest whose forward
+    ran (a ``ModuleList`` holds layers but is never called)."""
+    places = [pair.module]
+    for name in pair.params:
+        places.append(name.rsplit(".", 1)[0] if "." in name else "")
+        places.extend((uses or {}).get(name, ()))
+    if LOSS in places:
+        return LOSS
+    parts = [p.split(".") if p else [] for p in places]
     common: list[str] = []
     for level in zip(*parts):
         if len(set(level)) != 1:
             break
         common.append(level[0])
     if modules is not None:
-        known = set(modules)
+        known = set(modules) if ran is None else set(modules) & set(ran)
         while common and ".".join(common) not in known:
             common.pop()
     return ".".join(common)
@@ -61,7 +88,8 @@ def capture_inputs(
     model: nn.Module, run: Callable[[], object], units: Sequence[str]
 ) -> dict[str, tuple[tuple, dict]]:
     """The ``(args, kwargs)`` of the first call of each module named in ``units`` during
-    ``run()`` (the model in eval mode, without gradients)."""
+    ``run()`` (the model in eval mode, without gradients); :data:`LOSS` is captured as
+    ``run`` itself."""
     modules = dict(model.named_modules())
     captured: dict[str, tuple[tuple, dict]] = {}
     handles = []
@@ -74,6 +102,9 @@ def capture_inputs(
         return hook
 
     for name in dict.fromkeys(units):
+        if name == LOSS:
+            captured[LOSS] = ((), {})
+            continue
         handles.append(modules[name].register_forward_pre_hook(hook_for(name), with_kwargs=True))
     try:
         with evaluation_mode(model), torch.no_grad():
@@ -90,18 +121,22 @@ def verify_pairs(
     inputs: Mapping[str, tuple[tuple, dict]],
     cond: float = 10.0,
     seed: int = 0,
+    uses: Mapping[str, set[str]] | None = None,
+    run: Callable[[], object] | None = None,
+    ran: set[str] | None = None,
 ) -> list[Verification | None]:
     """Check every pair whose unit's inputs were captured (see the module docstring);
-    returns the checks in the order of ``pairs`` (``None``: its unit did not run)."""
+    returns the checks in the order of ``pairs`` (``None``: its unit did not run).
+    ``run``: the forward pass, for pairs whose unit is :data:`LOSS`."""
     modules = dict(model.named_modules())
     by_unit: dict[str, list[int]] = defaultdict(list)
     for i, pair in enumerate(pairs):
-        by_unit[unit_of(pair, modules)].append(i)
+        by_unit[unit_of(pair, modules, uses, ran)].append(i)
     generator = torch.Generator().manual_seed(seed)
     out: list[Verification | None] = [None] * len(pairs)
     with evaluation_mode(model), torch.no_grad():
         for unit, indices in by_unit.items():
-            if unit not in inputs:
+            if unit not in inputs or (unit == LOSS and run is None):
                 continue
             args, kwargs = inputs[unit]
             unit_pairs = [pairs[i] for i in indices]
@@ -109,65 +144,127 @@ def verify_pairs(
                 random_group_elements(p.group, p.shape[0], p.shape[3], cond, generator)
                 for p in unit_pairs
             ]
-            try:
-                checks = _check_unit(modules[unit], unit, unit_pairs, args, kwargs, elements, True)
-            except Exception:  # the unit does not run in float64: its own precision
-                checks = _check_unit(modules[unit], unit, unit_pairs, args, kwargs, elements, False)
-            for i, check in zip(indices, checks):
-                out[i] = check
+            if unit == LOSS:
+                target, prefix = model, ""
+            else:
+                target, prefix = modules[unit], f"{unit}." if unit else ""
+            check = _UnitCheck(target, unit, prefix, args, kwargs, run if unit == LOSS else None)
+            checks = check.pairs(unit_pairs, elements, cond)
+            for i, c in zip(indices, checks):
+                out[i] = c
     return out
 
 
-def _check_unit(module, unit, pairs, args, kwargs, elements, float64: bool) -> dict:
-    prefix = f"{unit}." if unit else ""
-    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    dtype = _dtype(tensors)
-    if float64:
-        dtype = torch.float64
-    tensors = {n: _cast(t, dtype) for n, t in tensors.items()}
-    args, kwargs = _inputs(args, kwargs, dtype)
-    tolerance = TOLERANCE.get(dtype, 3e-2)
+class _UnitCheck:
+    """One unit, run on its captured inputs with tensors swapped in."""
 
-    def output(values: dict[str, Tensor]) -> list[Tensor]:
+    def __init__(self, module, unit, prefix, args, kwargs, run):
+        self.module, self.unit, self.prefix, self.run = module, unit, prefix, run
+        own = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        native = _dtype(own)
+        if run is None:
+            try:  # float64 where the unit runs in it
+                self._prepare(own, args, kwargs, torch.float64)
+                self.reference = self.output(self.tensors)
+                return
+            except Exception:
+                pass
+        self._prepare(own, args, kwargs, native)
+        self.reference = self.output(self.tensors)
+
+    def _prepare(self, own, args, kwargs, dtype):
+        self.dtype = dtype
+        self.tensors = {n: _cast(t, dtype) for n, t in own.items()}
+        self.args, self.kwargs = _inputs(args, kwargs, dtype)
+        self.lowest = dtype
+
+    def output(self, values: dict[str, Tensor]) -> list[Tensor]:
         # the same random numbers in every call: a module that draws some in eval mode
         # (ViT-MAE's masking) is compared with itself
         devices = [t.device for t in values.values() if t.device.type == "cuda"][:1]
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _Precision() as precision:
             torch.manual_seed(0)
-            result = torch.func.functional_call(module, values, tuple(args), dict(kwargs))
-        return [
-            t for t in tree_flatten(result)[0] if isinstance(t, Tensor) and t.is_floating_point()
+            with swapped(self.module, values):
+                result = (
+                    self.run() if self.run is not None else self.module(*self.args, **self.kwargs)
+                )
+        self.lowest = max([self.lowest, *precision.dtypes], key=_eps)
+        tensors = [
+            t.detach()
+            for t in tree_flatten(result)[0]
+            if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
         ]
+        if not tensors:
+            raise TypeError(f"{self.unit or 'the model'} returns no floating-point tensor")
+        return tensors
 
-    reference = output(tensors)
-    if not reference:
-        raise TypeError(f"{unit or 'the model'} returns no floating-point tensor to compare")
-    scale = max(float(r.abs().max()) for r in reference) or 1.0
-
-    def change(values: dict[str, Tensor]) -> float:
-        moved = output(values)
-        return max(float((a - b).abs().max()) for a, b in zip(moved, reference)) / scale
-
-    checks = []
-    for pair, A in zip(pairs, elements):
-        A = A.to(dtype=torch.float64)
-        symmetric = _acted(tensors, pair, prefix, A, torch.linalg.inv(A).transpose(-1, -2))
-        control = _acted(tensors, pair, prefix, A, None)
-        checks.append(
-            Verification(
-                pair.name,
-                unit,
-                change({**tensors, **symmetric}),
-                change({**tensors, **control}),
-                tolerance,
-                str(dtype).removeprefix("torch."),
+    def pairs(self, pairs, elements, cond: float) -> list[Verification]:
+        checks = []
+        for pair, A in zip(pairs, elements):
+            A = A.to(dtype=torch.float64)
+            B = torch.linalg.inv(A).transpose(-1, -2)
+            moved = self.output({**self.tensors, **_acted(self.tensors, pair, self.prefix, A, B)})
+            control = self.output({**self.tensors, **_acted(self.tensors, pair, self.prefix, A)})
+            change, power = _changes(self.reference, moved, control)
+            kappa = _cancellation(self.tensors, pair, self.prefix)
+            tolerance = min(TOLERANCE_FACTOR * _eps(self.lowest) * cond * kappa, 1e-2)
+            checks.append(
+                Verification(
+                    pair.name,
+                    self.unit,
+                    change,
+                    power,
+                    tolerance,
+                    str(self.dtype).removeprefix("torch."),
+                )
             )
-        )
-    return checks
+        return checks
+
+
+def _changes(reference, moved, control) -> tuple[float, float]:
+    """The pair's change and the control's, entry by entry relative to
+    ``|y| + s`` over finite entries, ``s`` the control's largest change (``inf``: the
+    transform changed which entries are finite)."""
+    if len(moved) != len(reference) or any(a.shape != b.shape for a, b in zip(moved, reference)):
+        return math.inf, math.inf
+    deltas, power_inf = [], False
+    for r, c in zip(reference, control):
+        finite = torch.isfinite(r)
+        if c.shape != r.shape or not torch.equal(torch.isfinite(c), finite):
+            power_inf = True
+            continue
+        deltas.append(((c - r).abs()[finite], r.abs()[finite]))
+    s = max((float(d.max()) for d, _ in deltas if d.numel()), default=0.0)
+    s = s if s > 0 else 1e-300
+
+    def relative(outputs) -> float:
+        worst = 0.0
+        for r, y in zip(reference, outputs):
+            finite = torch.isfinite(r)
+            if not torch.equal(torch.isfinite(y), finite):
+                return math.inf
+            if bool(finite.any()):
+                d = (y - r).abs()[finite] / (r.abs()[finite] + s)
+                worst = max(worst, float(d.max()))
+        return worst
+
+    return relative(moved), (math.inf if power_inf else relative(control))
+
+
+def _cancellation(tensors: dict[str, Tensor], pair: PairSpec, prefix: str) -> float:
+    """``max_head |G|_F |H|_F / |G H^T|_F``: how much the pair's product cancels (at
+    least 1; large for a badly balanced pair)."""
+    blocks = pair.g_blocks + pair.h_blocks
+    local = {b.param: tensors[b.param.removeprefix(prefix)].reshape(-1) for b in blocks}
+    G = torch.cat([read_block(local, b) for b in pair.g_blocks], dim=-2).to(torch.float64)
+    H = torch.cat([read_block(local, b) for b in pair.h_blocks], dim=-2).to(torch.float64)
+    product = torch.linalg.matrix_norm(G @ H.transpose(-1, -2))
+    ratio = torch.linalg.matrix_norm(G) * torch.linalg.matrix_norm(H) / product.clamp_min(1e-300)
+    return max(1.0, float(ratio.max()))
 
 
 def _acted(
-    tensors: dict[str, Tensor], pair: PairSpec, prefix: str, A: Tensor, B: Tensor | None
+    tensors: dict[str, Tensor], pair: PairSpec, prefix: str, A: Tensor, B: Tensor | None = None
 ) -> dict[str, Tensor]:
     """New copies of the pair's tensors with ``G -> G A`` and ``H -> H B`` (``B = None``:
     ``H`` unchanged), keyed by the unit's local names."""
@@ -185,6 +282,25 @@ def _acted(
             write_block(view, b, X[:, row : row + b.shape[1]])
             row += b.shape[1]
     return {n: flat[n].view(tensors[n].shape) for n in names}
+
+
+class _Precision(TorchFunctionMode):
+    """Records the floating dtypes of every result computed inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
 def _dtype(tensors: dict[str, Tensor]) -> torch.dtype:

@@ -1,0 +1,166 @@
+"""Sound by construction, on attention written by hand (``tests/attention_zoo.py``):
+the user's model comes back as the same objects with the same bits (aliased modules,
+tied weights), no pair is called verified that an independent transform of the whole
+model refutes, no true pair is called absent, no miss is unlabelled, nothing crashes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import geosharp
+from attention_zoo import CASES, Plain, Stack, build, loss_fn
+from geosharp.symmetry import (
+    Symmetries,
+    check_symmetries,
+    declare_pair,
+    find_symmetries,
+    reparameterize,
+    verify_symmetries,
+)
+from hf_zoo import build as build_hf
+
+F64 = torch.float64
+
+
+def snapshot(model):
+    """Every registered name (aliases included) -> (object, bits)."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, t in module.__dict__[kind].items():
+                if t is not None:
+                    out[f"{prefix}.{attr}"] = (t, t.detach().clone(), t.dtype, type(t))
+    return out
+
+
+def assert_unchanged(model, before):
+    now = snapshot(model)
+    assert now.keys() == before.keys()
+    for name, (obj, bits, dtype, cls) in before.items():
+        t = now[name][0]
+        assert t is obj and type(t) is cls and t.dtype == dtype, name
+        assert torch.equal(t.detach(), bits), name
+
+
+def whole_model_change(model, x, pair, cond=10.0, seed=0) -> float:
+    """Relative change of the whole model's output when ``pair`` is transformed by a
+    random ``A``, written here without geosharp's transforms."""
+    g = torch.Generator().manual_seed(seed)
+    heads, _, _, h = pair.shape
+    U, _ = torch.linalg.qr(torch.randn(heads, h, h, generator=g, dtype=F64))
+    V, _ = torch.linalg.qr(torch.randn(heads, h, h, generator=g, dtype=F64))
+    s = torch.logspace(0, -math.log10(cond), h, dtype=F64)
+    A = U @ torch.diag_embed(s) @ V
+    if pair.group != "GL":  # a complex scalar per plane: scale times rotation
+        A = torch.eye(h, dtype=F64).expand(heads, h, h) * 1.7
+    moved = copy.deepcopy(model)
+    params = dict(moved.named_parameters())
+    with torch.no_grad():
+        for blocks, M in ((pair.g_blocks, A), (pair.h_blocks, torch.linalg.inv(A).mT)):
+            X = torch.cat([params[b.param].view(-1)[b.index] for b in blocks], dim=1)
+            X = X @ M
+            row = 0
+            for b in blocks:
+                params[b.param].view(-1)[b.index] = X[:, row : row + b.shape[1]]
+                row += b.shape[1]
+        y, y2 = model(x), moved(x)
+    return float((y2 - y).abs().max() / y.abs().max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hand_written_attention(case):
+    model, x = build(case)
+    before = snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sym = find_symmetries(model, x, loss_fn=loss_fn)  # never a crash
+        assert_unchanged(model, before)
+        result = geosharp.sharpness(
+            model, [x], loss_fn, "geodesic-inv", 0.05, geosharp.WorstCase(n_iters=2)
+        )
+        assert_unchanged(model, before)
+        if sym.pairs:
+            assert check_symmetries(model, x, sym).ok
+            assert_unchanged(model, before)
+    # every pair called verified is a symmetry of the whole model
+    for pair in sym.pairs:
+        check = sym.verified[pair.name]
+        assert check.ok and check.conclusive, pair.name
+        assert whole_model_change(model, x, pair) < 1e-9, pair.name
+    assert result.symmetry_complete == sym.complete
+    if case.outcome == "found":
+        assert len(sym.pairs) == case.expect and sym.complete, sym.summary()
+    else:  # a miss is allowed, never a silent one
+        assert len(sym.pairs) <= case.expect
+        assert not sym.complete or len(sym.pairs) == case.expect, sym.summary()
+    # a drop called exact ("no such symmetry") leaves no true pair out
+    assert len(sym.pairs) == case.expect or any(not d.exact for d in sym.dropped)
+
+
+def test_a_declared_non_symmetry_is_refuted_through_masked_logits():
+    """A module that also returns masked scores (-1e9): a wrong pair still reads large."""
+    model, x = build(next(c for c in CASES if c.name == "masked-logits"))
+    q = model.blocks[0].q.weight
+    wrong = declare_pair(model, G=[(q, lambda w: w[:4].T)], H=[(q, lambda w: w[4:].T)],
+                         module="blocks.0", kind="query-query")  # fmt: skip
+    sym = Symmetries([wrong], find_symmetries(model, x, loss_fn=loss_fn, warn=False).parameters)
+    assert sym.unverified == ["blocks.0:query-query"] and not sym.complete
+    checked = verify_symmetries(model, sym, x, loss_fn=loss_fn)
+    assert "blocks.0:query-query" not in {p.name for p in checked.pairs}
+    assert "not a symmetry" in checked.ignored["blocks.0"][0].reason
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="never checked on the model"):
+        reparameterize(model, sym)  # no batch: an unverified layout is refused
+    with pytest.raises(ValueError, match="could not be verified"):
+        reparameterize(model, sym, batch=x)
+    assert_unchanged(model, before)
+
+
+def test_the_tolerance_follows_the_precision_and_the_control_must_move():
+    """A pair the output does not depend on is not called verified: its control does
+    not move."""
+    torch.manual_seed(0)
+    model = Stack(Plain).to(F64).eval()
+    with torch.no_grad():
+        model.blocks[0].o.weight.zero_()  # the attention's output is its bias alone
+    x = torch.randn(4, 6, 5, dtype=F64)
+    sym = find_symmetries(model, x, loss_fn=loss_fn, warn=False)
+    assert sym.pairs == [] and not sym.complete
+    assert all("barely depends" in d.reason for d in sym.ignored["blocks.0"])
+
+
+@pytest.mark.parametrize("family", ["t5", "marian"])
+def test_shared_embeddings_come_back_as_they_were(family):
+    """T5 and Marian register one embedding under several names."""
+    model, inputs, loss = build_hf(family)
+    before = snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = loss(model, inputs)
+        geosharp.sharpness(model, [inputs], loss, "adaptive", 0.05, geosharp.WorstCase(n_iters=2))
+        geosharp.sharpness(
+            model, [inputs], loss, "geodesic-inv", 0.05, geosharp.WorstCase(n_iters=2)
+        )
+    assert_unchanged(model, before)
+    assert torch.equal(loss(model, inputs), value)
+
+
+@pytest.mark.parametrize("family", ["gpt-neo", "gpt-j", "codegen"])
+def test_float32_inside_float64_keeps_its_pairs_on_a_badly_conditioned_copy(family):
+    """Part of their attention runs in float32 inside a float64 model: the tolerance
+    follows what float32 resolves on the copy's own conditioning."""
+    model, inputs, loss = build_hf(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = find_symmetries(model, inputs, loss_fn=loss, warn=False)
+        moved = copy.deepcopy(model)
+        reparameterize(moved, found, cond=100, seed=1)
+        again = find_symmetries(moved, inputs, loss_fn=loss, warn=False)
+    assert len(again.pairs) == len(found.pairs) > 0 and again.complete
+    assert {v.dtype for v in again.verified.values()} == {"float64"}
