@@ -313,7 +313,8 @@ _NONLINEAR = {
     "log1p", "expm1", "selu", "celu", "silu_", "relu_", "softsign", "tanhshrink",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "index_add",
     "index_add_", "scatter_add", "scatter_add_", "scatter", "scatter_", "index_copy",
-    "index_copy_", "index_put", "index_put_", "embedding_bag",
+    "index_copy_", "index_put", "index_put_", "embedding_bag", "topk", "sort", "kthvalue",
+    "median", "cummax", "cummin",
 }  # fmt: skip
 # Linear along the axes they reduce: over tokens they keep a head's features.
 _TOKEN_LINEAR = {"sum", "mean", "cumsum", "nansum", "nanmean"}
@@ -553,6 +554,8 @@ class Tracer:
         outs = _tensors(out)
         if not outs and name != "__setitem__":
             return
+        if name != "__setitem__" and not any(t.is_floating_point() or t.is_complex() for t in outs):
+            return  # indices and masks (argmax, comparisons) carry no features
         inputs = _tensors((args, kwargs))
         for t in inputs:
             index = self._param_index.get(id(t))
