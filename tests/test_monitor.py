@@ -212,3 +212,48 @@ def test_training_integrations_check_their_settings_when_built():
         GeodesicSAMTrainer(model=model, args=args)
     with pytest.raises(ValueError, match="sam_rho"):
         GeodesicSAMTrainer(model=model, args=args, sam_rho=-1)
+
+
+def test_the_schedule_reaches_the_base_optimizer(tmp_path):
+    """GeodesicSAM(rho=0) is its base optimizer step for step: under a Trainer's default
+    linear schedule (accelerate reloads the optimizer's state when it prepares it), and
+    under StepLR across a load_state_dict (resuming training)."""
+    from transformers import Trainer, TrainingArguments
+
+    from geosharp.callbacks import GeodesicSAMTrainer
+    from geosharp.optim import GeodesicSAM
+
+    train = _Dataset(n=8)
+    args = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                learning_rate=1e-2, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch",
+                report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+                seed=0)  # fmt: skip
+    plain, sam = _tiny_bert(), _tiny_bert()
+    Trainer(model=plain, args=TrainingArguments(**args), train_dataset=train).train()
+    trainer = GeodesicSAMTrainer(
+        model=sam, args=TrainingArguments(**args), train_dataset=train, sam_rho=0.0
+    )
+    trainer.train()
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert inner.base_optimizer.param_groups[0]["lr"] == 0.0  # the schedule's end
+    assert max((p - q).abs().max() for p, q in zip(plain.parameters(), sam.parameters())) < 1e-6
+
+    models = [_tiny_bert(), _tiny_bert()]
+    base = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    wrapped = GeodesicSAM(models[1], torch.optim.SGD, rho=0.0, measure="adaptive", lr=0.1)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.125) for o in (base, wrapped)]
+    batch = {k: torch.stack([train[i][k] for i in range(8)]) for k in train[0]}
+    for step in range(3):
+        base.zero_grad()
+        models[0](**batch).loss.backward()
+        base.step()
+        wrapped.zero_grad()
+        wrapped.step(lambda: models[1](**batch).loss.backward())
+        for schedule in schedules:
+            schedule.step()
+        if step == 0:
+            wrapped.load_state_dict(wrapped.state_dict())  # resuming: new param_groups
+    assert wrapped.param_groups is wrapped.base_optimizer.param_groups
+    assert wrapped.base_optimizer.param_groups[0]["lr"] == base.param_groups[0]["lr"] == 0.1 / 8**3
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)

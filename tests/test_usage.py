@@ -165,7 +165,28 @@ def _bad_inputs(bert, vit, csv, tmp):
     weights.write_bytes(weights.read_bytes()[:-100])
     (tmp / "imgs" / "0").mkdir(parents=True)
     (tmp / "imgs" / "0" / "a.png").write_bytes(b"not a png")
+    two = {"input_ids": torch.full((2, 4), 5), "labels": torch.tensor([[0.0, 1.0], [2.0, 0.0]])}
+    torch.save(two, tmp / "multi_two.pt")
+    (tmp / "list.jsonl").write_text('{"text": ["good", "film"], "label": 0}\n')
+    (tmp / "superscript.csv").write_text("text,label\ngood film,\u00b2\n", encoding="utf-8")
+    (tmp / "nan.csv").write_text("text,label\ngood film,0.5\nbad film,nan\n")
     return {
+        "multi-label target 2": (
+            ["measure", str(multi), "--data", str(tmp / "multi_two.pt")],
+            "row 1 holds 2 for label 0",
+        ),
+        "jsonl text a list": (
+            ["measure", str(bert), "--data", str(tmp / "list.jsonl")],
+            "'text' is a JSON list, not a string",
+        ),
+        "label a superscript digit": (
+            ["measure", str(bert), "--data", str(tmp / "superscript.csv")],
+            "neither a class index nor",
+        ),
+        "regression label nan": (
+            ["measure", str(regression), "--data", str(tmp / "nan.csv")],
+            "data row 2: label 'nan' is not a finite number",
+        ),
         "corrupt config.json": (
             ["measure", str(broken["bad_config"]), "--data", str(csv)],
             "config.json: cannot be read",

@@ -339,9 +339,11 @@ def _lm_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
 
 def _label_note(raw: list, ids: torch.Tensor) -> str:
     """How the labels of a text file became class ids."""
+    from .hf import class_index
+
     named = {}
     for label, i in zip(raw, ids.tolist(), strict=True):
-        if not (isinstance(label, int) or str(label).strip().lstrip("-").isdigit()):
+        if not (isinstance(label, int) or class_index(label) is not None):
             named.setdefault(str(label).strip(), i)
     if not named:
         return "labels: class indices as given"
@@ -443,11 +445,25 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int, task: st
                 f"--data {source}: 'labels' of a regression head with {classes} output(s) must "
                 f"be (N,) or (N, {classes}) numbers, {got}"
             )
+        bad = (~torch.isfinite(labels.double())).nonzero()
+        if len(bad):
+            raise UsageError(
+                f"--data {source}: 'labels' row {int(bad[0][0])} is "
+                f"{float(labels.reshape(len(labels), -1)[int(bad[0][0])].double().sum()):g}; "
+                "a regression target must be a finite number"
+            )
     elif task == "multi_label_classification":
         if labels.dim() != 2 or labels.shape[1] != classes:
             raise UsageError(
                 f"--data {source}: 'labels' of a multi-label head must be (N, {classes}) "
                 f"0/1 targets, {got}"
+            )
+        outside = ((labels != 0) & (labels != 1)).nonzero()
+        if len(outside):
+            row, col = (int(i) for i in outside[0])
+            raise UsageError(
+                f"--data {source}: 'labels' row {row} holds {float(labels[row, col]):g} for "
+                f"label {col}; a multi-label head's targets are 0 or 1 (binary cross-entropy)"
             )
     else:
         if labels.is_floating_point() or labels.dim() != 1:
@@ -467,7 +483,7 @@ def run_measure(args) -> int:
     from .data import move_batch
     from .hf import check_weights, load_causal_lm, load_classifier, load_config, resolve_checkpoint
     from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
-    from .io import dumps, write_json_atomic
+    from .io import dumps, fingerprint, write_json_atomic
     from .measures import HESSIAN_TRACES, hessian_trace, sharpness
     from .measures.sharpness import floor_message
     from .symmetry import find_symmetries
@@ -507,6 +523,12 @@ def run_measure(args) -> int:
         check_output_path(args.plot, "--plot", protected=inputs, force=args.force)
         require_matplotlib()
     settings = run_settings(args, rhos)
+    settings["fingerprints"] = {  # a resume refuses data or weights changed since
+        "checkpoint": fingerprint(path, exclude=args.json if args.json != "-" else None),
+        "data": fingerprint(args.data, exclude=args.json if args.json != "-" else None)
+        if args.data not in BUILTIN_DATA
+        else None,
+    }
     previous = resumable(args, settings)
     config = load_config(path)
     check_weights(path)
@@ -773,6 +795,7 @@ def resumable(args, settings: dict) -> dict:
     if not args.json or args.json == "-":
         raise UsageError("--resume needs --json FILE: the results file to continue")
     if not Path(args.json).exists():
+        note(f"--resume: {args.json} does not exist yet, nothing to resume: a new run starts")
         return {}
     previous = read_json_file(args.json, "--json")
     was = previous.get("settings")
@@ -786,6 +809,17 @@ def resumable(args, settings: dict) -> dict:
         for n, r in settings["rho"].items()
         if n in was.get("rho", {}) and was["rho"][n] != r
     ]
+    if "fingerprints" in changed:
+        moved = [
+            k
+            for k in ("checkpoint", "data")
+            if (was.get("fingerprints") or {}).get(k) != settings["fingerprints"][k]
+        ]
+        raise UsageError(
+            f"--json {args.json} was measured on another {' and '.join(moved)}: "
+            f"{' and '.join(moved)} changed since (rewritten or retrained); use another "
+            "--json, or drop --resume to start again"
+        )
     if changed:
         k = changed[0]
         now, then = (settings.get(k), was.get(k)) if not k.startswith("rho") else ("", "")

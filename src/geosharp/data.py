@@ -213,6 +213,12 @@ def read_texts(
                     f"{path}, data row {number}: {column!r} is "
                     f"{'missing' if value is None else 'empty'}; fill or remove the row"
                 )
+        for column in columns:  # a list or a number is not a text (JSON lines)
+            if not isinstance(row[column], str):
+                raise UsageError(
+                    f"{path}, data row {number}: {column!r} is a JSON "
+                    f"{type(row[column]).__name__}, not a string; join it into one text"
+                )
     texts = [
         str(r[columns[0]]) if len(columns) == 1 else (str(r[columns[0]]), str(r[columns[1]]))
         for r in rows
@@ -307,11 +313,35 @@ def read_images(files: list[Path], mode: str) -> list:
     for f in files:
         try:
             with Image.open(f) as image:
-                images.append(image.convert(mode))
+                images.append(_eight_bit(image, f).convert(mode))
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
             why = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise UsageError(f"{f}: not a readable image ({why}); remove or replace it") from None
     return images
+
+
+def _eight_bit(image, path: Path):
+    """``image`` with 8-bit channels: 16-bit grayscale (``I;16``, or ``I`` with values up
+    to 65535) scaled by 255/65535, floating point (``F``) in [0, 1] by 255, as the
+    8-bit copies of the same pictures hold them (PIL's own conversion clips them at
+    255 instead); palette, RGBA, CMYK and 8-bit modes as PIL converts them."""
+    import numpy as np
+    from PIL import Image
+
+    if image.mode not in ("I", "F") and not image.mode.startswith("I;16"):
+        return image
+    values = np.asarray(image, dtype=np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode == "F":
+        scale = 255.0 if top <= 1.0 else 1.0
+    else:
+        scale = 1.0 if image.mode == "I" and top <= 255 else 255.0 / 65535.0
+    if float(values.min(initial=0.0)) < 0 or top * scale > 255.0 + 1e-9:
+        raise ValueError(
+            f"{image.mode} pixel values from {values.min():g} to {top:g} are outside the 8- or "
+            "16-bit range: save it as 8-bit RGB or grayscale"
+        )
+    return Image.fromarray(np.clip(np.rint(values * scale), 0, 255).astype(np.uint8), "L")
 
 
 def image_mode(channels: int) -> str:

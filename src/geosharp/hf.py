@@ -281,6 +281,19 @@ def check_label_range(labels: Tensor, num_labels: int) -> None:
         )
 
 
+def class_index(label: object) -> int | None:
+    """``label`` as a class index when it is one, written in ASCII digits (``"2"``,
+    ``" -1"``); ``None`` otherwise (a class name; ``"²"`` is a digit to Python's
+    ``isdigit`` but no number ``int`` reads).
+
+    >>> class_index(" 2"), class_index("\u00b2"), class_index("cat")
+    (2, None, None)
+    """
+    key = str(label).strip()
+    digits = key[1:] if key.startswith("-") else key
+    return int(key) if digits.isascii() and digits.isdigit() else None
+
+
 def label_ids(labels: list, config, num_labels: int) -> Tensor:
     """Integer class ids of ``labels`` (ints, digit strings, or class names of the
     model's ``label2id``); an error when one lies outside ``[0, num_labels)``."""
@@ -292,8 +305,8 @@ def label_ids(labels: list, config, num_labels: int) -> Tensor:
             value = int(label)
         elif isinstance(label, int):
             value = label
-        elif key.lstrip("-").isdigit():
-            value = int(key)
+        elif class_index(key) is not None:
+            value = class_index(key)
         elif key.lower() in names:
             value = names[key.lower()]
         else:

@@ -22,6 +22,7 @@ was used, how many texts were cut); problems are one-line
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "causal_lm_loss",
     "folder_label_ids",
     "is_causal_lm",
+    "lm_inputs",
     "load_image_processor",
     "pixel_values",
     "preflight",
@@ -85,15 +87,44 @@ def causal_lm_loss(model: nn.Module, batch: dict) -> Tensor:
     >>> round(float(causal_lm_loss(Uniform(), batch)), 4)  # log 5 over the 2 targets
     1.6094
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
+    logits = model(**lm_inputs(model, batch)).logits
     return _next_token(logits, batch["input_ids"], batch.get("attention_mask"))[0]
+
+
+def lm_inputs(model: nn.Module, batch: dict) -> dict:
+    """The model's inputs for a causal-LM batch: without ``labels``, and with
+    ``position_ids`` counted over real tokens where a row is padded on the left (a
+    decoder-only tokenizer's habit) and the model takes them, so that every text sees
+    the positions it has alone."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    mask = inputs.get("attention_mask")
+    if mask is None or "position_ids" in inputs or not _left_padded(mask):
+        return inputs
+    try:
+        takes = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    return inputs
+
+
+def _left_padded(mask: Tensor) -> bool:
+    """Whether some row has padding before a real token."""
+    m = mask.bool()
+    return bool((~m[:, :-1] & m[:, 1:]).any())
 
 
 def _next_token(logits: Tensor, ids: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """The mean next-token loss and, per target token, whether the top logit is it."""
     logits, targets = logits[:, :-1], ids[:, 1:]
-    keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask[:, 1:].bool()
+    # a target counts where it and the token that predicts it are real (left padding:
+    # the first real token is not predicted from padding)
+    keep = (
+        torch.ones_like(targets, dtype=torch.bool)
+        if mask is None
+        else mask[:, 1:].bool() & mask[:, :-1].bool()
+    )
     if not bool(keep.any()):
         raise UsageError("every text is one token long: no next token to predict")
     flat = logits[keep]
@@ -144,7 +175,7 @@ def folder_label_ids(classes: Sequence[str], config) -> tuple[list[int], str]:
     """
     n = int(getattr(config, "num_labels", 0) or 0)
     names = label_names(config)
-    if all(c.isdigit() for c in classes):
+    if all(c.isascii() and c.isdigit() for c in classes):
         ids, how = [int(c) for c in classes], "folders named by class index"
     elif names is not None:
         lookup = {v.lower(): k for k, v in names.items()}
@@ -224,10 +255,13 @@ def regression_targets(labels: Sequence) -> Tensor:
         try:
             value = float(label)
         except (TypeError, ValueError):
+            value = None
+        if value is None or not math.isfinite(value):
+            what = "not a number" if value is None else "not a finite number"
             raise UsageError(
-                f"data row {row}: label {label!r} is not a number, and the model is a "
-                "regression head (num_labels=1)"
-            ) from None
+                f"data row {row}: label {label!r} is {what}, and the model is a regression "
+                "head (num_labels=1)"
+            )
         out.append(value)
     return torch.tensor(out, dtype=torch.float32)
 
@@ -347,8 +381,6 @@ def preflight(model: nn.Module, batches: list[dict], source: str, task: str | No
     """One forward pass over ``batches`` (no gradient) before anything slow: inputs the
     model's ``forward`` does not take, a forward that fails and a loss that is not
     finite are one-line errors; the result is the unperturbed loss and accuracy."""
-    import math
-
     from .params import evaluation_mode
 
     accepted = [
@@ -369,7 +401,11 @@ def preflight(model: nn.Module, batches: list[dict], source: str, task: str | No
     total, right, count, n = 0.0, 0.0, 0, 0
     with torch.no_grad(), evaluation_mode(model):
         for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            inputs = (
+                lm_inputs(model, batch)
+                if kind == CAUSAL_LM
+                else {k: v for k, v in batch.items() if k != "labels"}
+            )
             try:
                 logits = model(**inputs).logits
             except (

@@ -16,7 +16,59 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["dumps", "read_json_file", "write_json_atomic", "write_text_atomic"]
+__all__ = ["dumps", "fingerprint", "read_json_file", "write_json_atomic", "write_text_atomic"]
+
+
+_EDGE = 1 << 20  # bytes read from each end of a large file
+
+
+def fingerprint(
+    path: str | os.PathLike, limit: int = 100_000, exclude: str | os.PathLike | None = None
+) -> str | None:
+    """A digest of a file or a folder's files as they are now: per file (in sorted
+    order, by path relative to ``path``) its size and the SHA-256 of its content, or
+    of its first and last MiB when it is larger than 2 MiB (a safetensors file's
+    header is at its start). A rewritten data file, a retrained checkpoint, a file
+    added or removed change it; the cost is bounded. ``None`` when ``path`` does not
+    exist (a built-in name); at most ``limit`` files of a folder are read. ``exclude``:
+    a file left out (the results file itself, written inside the folder), with its
+    temporary files.
+
+    >>> import tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (folder / "a.txt").write_text("one")
+    >>> before = fingerprint(folder)
+    >>> _ = (folder / "a.txt").write_text("two")
+    >>> fingerprint(folder) != before
+    True
+    """
+    import hashlib
+
+    root = Path(path)
+    if not root.exists():
+        return None
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    if exclude is not None:
+        skip = Path(exclude).resolve()
+        files = [
+            f
+            for f in files
+            if f.resolve() != skip
+            and not (f.parent.resolve() == skip.parent and f.name.startswith(f".{skip.name}."))
+        ]
+    digest = hashlib.sha256()
+    for file in files[:limit]:
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(root) if file != root else file.name}|{size}|".encode())
+        with open(file, "rb") as f:
+            if size <= 2 * _EDGE:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(_EDGE))
+                f.seek(size - _EDGE)
+                digest.update(f.read(_EDGE))
+    digest.update(f"|{len(files)}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _umask() -> int:

@@ -121,8 +121,9 @@ class GeodesicSAM(torch.optim.Optimizer):
             self.base_optimizer = base_optimizer
         else:
             self.base_optimizer = base_optimizer(params, **kwargs)
+        self._initialising = True  # Optimizer.__init__ writes param_groups of its own
         super().__init__(params, dict(rho=float(rho)))
-        self.param_groups = self.base_optimizer.param_groups
+        self._initialising = False
         self.defaults.update(self.base_optimizer.defaults)
         self.rho = float(rho)
         self._saved: Tensor | None = None  # w while the weights are at the ascent point
@@ -131,6 +132,22 @@ class GeodesicSAM(torch.optim.Optimizer):
         self._space_at_w = PerturbationSpace(
             theta, self._layout, self._pairs, self.geometry, shards=target.shards
         )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The base optimizer's own list, whatever replaced it (``load_state_dict``,
+        accelerate's device placement): a scheduler or a Trainer that sets the learning
+        rate here sets the rate the base optimizer steps with."""
+        if self.__dict__.get("_initialising", True):
+            return self.__dict__.setdefault("_groups", [])
+        return self.base_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        if self.__dict__.get("_initialising", True):
+            self.__dict__["_groups"] = groups
+        else:
+            self.base_optimizer.param_groups = groups
 
     def _weights(self) -> list[Tensor]:
         """The tensors the step writes: the parameters, or their local slices."""
