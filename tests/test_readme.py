@@ -65,3 +65,46 @@ def test_hessian_trace_example_runs_as_written(capsys):
     assert re.search(
         r"^Hessian trace \(adaptive\) = \S+ \+- \S+ \(50 probes, 1 batches\)$", out, re.M
     )
+
+
+def test_the_examples_run_in_the_install_the_readme_gives():
+    """Every package the README's Python examples import (and transformers' Trainer's
+    own need, accelerate) comes with the extra its install line names."""
+    import ast
+    import sys
+    from importlib.metadata import packages_distributions
+
+    import tomllib
+
+    text = README.read_text()
+    (extra,) = re.findall(r'pip install -e "\.\[(\w+)\]"', text)
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements):
+        return {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    def resolve(name, seen=()):
+        out = set()
+        for r in extras[name]:
+            nested = re.fullmatch(r"geosharp\[([\w,]+)\]", r)
+            if nested:
+                for n in nested.group(1).split(","):
+                    out |= resolve(n, (*seen, name))
+            else:
+                out |= names([r])
+        return out
+
+    installed = names(project["dependencies"]) | resolve(extra)
+    dists = packages_distributions()
+    for code in re.findall(r"```python\n(.*?)```", text, re.S):
+        tree = ast.parse(code)
+        modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                   for a in n.names}  # fmt: skip
+        modules |= {n.module.split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        needed = {d.lower() for m in modules - set(sys.stdlib_module_names) - {"geosharp"}
+                  for d in dists.get(m, [m])}  # fmt: skip
+        if "Trainer" in code:
+            needed.add("accelerate")
+        assert needed <= installed, (needed - installed, extra)

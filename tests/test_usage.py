@@ -171,6 +171,20 @@ def _bad_inputs(bert, vit, csv, tmp):
     (tmp / "superscript.csv").write_text("text,label\ngood film,\u00b2\n", encoding="utf-8")
     (tmp / "nan.csv").write_text("text,label\ngood film,0.5\nbad film,nan\n")
     return {
+        "symmetries corrupt config.json": (
+            ["symmetries", str(broken["bad_config"])],
+            "config.json: cannot be read",
+        ),
+        "symmetries without weights": (["symmetries", str(broken["no_weights"])], "no weights"),
+        "symmetries truncated weights": (["symmetries", str(broken["cut_weights"])], "truncated"),
+        "plot without an extension": (
+            [*m, "--per", "layer", "--plot", str(tmp / "layers")],
+            "--plot " + str(tmp / "layers") + ": no file extension",
+        ),
+        "causal-lm task on a classifier": (
+            [*m, "--task", "causal-lm"],
+            "--task causal-lm: the checkpoint is a BertForSequenceClassification",
+        ),
         "multi-label target 2": (
             ["measure", str(multi), "--data", str(tmp / "multi_two.pt")],
             "row 1 holds 2 for label 0",

@@ -104,3 +104,109 @@ def test_images_in_any_mode_read_as_their_8_bit_rgb_copies(mode, tmp_path):
     assert Image.open(tmp_path / f"a{suffix}").mode == image.mode
     a, b = read_images([tmp_path / f"a{suffix}", tmp_path / "b.png"], "RGB")
     assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_per_head_blocks_of_grouped_query_attention_are_named_key_value_heads():
+    """4 query heads on 2 key/value heads: 2 blocks per layer, each a key/value head with
+    its 2 query heads, named so (they were called head0, head1)."""
+    from geosharp.measures.blocks import head_entries
+    from geosharp.symmetry import find_symmetries
+
+    model, inputs, loss = build_hf("llama")
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
+    sym = find_symmetries(model, inputs, loss_fn=loss, warn=False)
+    assert {p.query_heads for p in sym.pairs} == {2}
+    names = sorted(head_entries(sym.pairs))
+    assert names == [f"model.layers.{i}.self_attn.kv{k}" for i in (0, 1) for k in (0, 1)]
+    bert, inputs, loss = build_hf("bert")
+    plain = find_symmetries(bert, inputs, loss_fn=loss).pairs
+    assert all(".head" in n for n in head_entries(plain))
+
+
+def test_one_unperturbed_loss_in_the_table_the_preflight_and_the_json(tmp_path, capsys):
+    """Two batches of unequal token counts: the pre-flight loss and every result's
+    loss are the same batch-mean (0.8761 beside 0.8771 before)."""
+    import json
+
+    from geosharp.cli import main
+    from test_usage import _causal_lm
+
+    ckpt = _causal_lm(tmp_path / "gpt2", "gpt2")
+    texts = ["the film was good", "a dull plot", "fun", "the actor was superb and the plot"]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    argv = ["measure", str(ckpt), "--data", str(tmp_path / "texts.txt"), "--n-iters", "1",
+            "--measures", "adaptive", "--batch-size", "3", "--json", "-"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)
+    (row,) = payload["results"]
+    assert payload["fit"]["loss"] == pytest.approx(row["loss"], rel=1e-12)
+    assert f"unperturbed loss {row['loss']:.4g}" in captured.err
+
+
+def test_symmetries_loads_the_checkpoint_as_saved(tmp_path, capsys):
+    """A BartForCausalLM checkpoint is a decoder with its head: no random encoder listed
+    (AutoModel built a whole BartModel)."""
+    import transformers as tf
+
+    from geosharp.cli import main
+
+    sizes = dict(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)  # fmt: skip
+    config = tf.BartConfig(vocab_size=40, d_model=16, max_position_embeddings=32, **sizes)
+    tf.BartForCausalLM(config).save_pretrained(tmp_path)
+    capsys.readouterr()
+    assert main(["symmetries", str(tmp_path), "--no-check"]) == 0
+    out = capsys.readouterr().out
+    assert "model.decoder.layers.0.self_attn" in out and "encoder.layers" not in out
+
+
+def test_clip_paper_driver_checks_every_fine_tune_before_measuring(tmp_path, capsys):
+    """A fine-tune directory without its head was a FileNotFoundError traceback."""
+    from geosharp.cli import main
+
+    (tmp_path / "ft" / "finetune-0").mkdir(parents=True)
+    (tmp_path / "ft" / "finetune-0" / "config.json").write_text("{}")
+    argv = ["study", "paper", "clip", "--checkpoints", str(tmp_path / "ft"),
+            "--data", str(tmp_path), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "no classification_head.safetensors" in err[0], err
+
+
+def test_class_folders_are_read_at_any_depth_and_never_dropped(tmp_path):
+    """``apple/batch1/*.png``: apple's images were left out without a word."""
+    import numpy as np
+    from PIL import Image
+
+    from geosharp.data import image_folder_items
+    from geosharp.errors import UsageError
+
+    pixel = Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8))
+    for where in ("apple/batch1/a.png", "apple/batch2/b.png", "pear/c.png"):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        pixel.save(tmp_path / where)
+    items, classes = image_folder_items(tmp_path)
+    assert classes == ["apple", "pear"] and [c for _, c in items] == [0, 0, 1]
+    (tmp_path / "plum").mkdir()
+    with pytest.raises(UsageError, match="plum: a class folder with no images"):
+        image_folder_items(tmp_path)
+
+
+def test_sharpness_under_no_grad_owns_its_gradients():
+    """Evaluation code runs under torch.no_grad(): the measure enables what it needs,
+    and the caller's mode is kept."""
+    import geosharp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    free = geosharp.sharpness(model, [batch], loss, "adaptive", 0.05).value
+    with torch.no_grad():
+        inside = geosharp.sharpness(model, [batch], loss, "adaptive", 0.05).value
+        assert not torch.is_grad_enabled()
+    assert inside == free > 0

@@ -241,6 +241,13 @@ def resolve_task(option: str, config) -> str:
     say so, else the classifier's task of :func:`geosharp.hfdata.task_of`)."""
     from .hfdata import CAUSAL_LM, is_causal_lm, task_of
 
+    archs = getattr(config, "architectures", None) or []
+    if option == "causal-lm" and archs and not is_causal_lm(config):
+        raise UsageError(
+            f"--task causal-lm: the checkpoint is a {archs[0]}, not a causal language model "
+            "(its config.json names no ...ForCausalLM or ...LMHeadModel): its next-token loss "
+            "would be a random head's; drop --task, or give a causal LM checkpoint"
+        )
     if option == "causal-lm" or (option == "auto" and is_causal_lm(config)):
         return CAUSAL_LM
     return task_of(config)
@@ -518,10 +525,11 @@ def run_measure(args) -> int:
             what = "--per" if args.per else next(n for n in names if n in HESSIAN_TRACES)
             raise UsageError(f"{what} is not available with --fsdp: drop one of them")
     if args.plot:
-        from .studies.figures import require_matplotlib
+        from .studies.figures import check_figure_path, require_matplotlib
 
         check_output_path(args.plot, "--plot", protected=inputs, force=args.force)
         require_matplotlib()
+        check_figure_path(args.plot)
     settings = run_settings(args, rhos)
     settings["fingerprints"] = {  # a resume refuses data or weights changed since
         "checkpoint": fingerprint(path, exclude=args.json if args.json != "-" else None),

@@ -287,17 +287,26 @@ def _datasets_rows(path: Path, split: str, limit: int | None) -> list[dict]:
 def image_folder_items(
     root: str | Path, limit: int | None = None, seed: int = 0
 ) -> tuple[list[tuple[Path, int]], list[str]]:
-    """``[(image file, class index)]`` of ``root/<class>/<image>`` (classes and files in
-    sorted order), and the class names. With ``limit``, a seeded random subset of that
-    many images, kept in that order."""
+    """``[(image file, class index)]`` of ``root/<class>/...<image>`` (images at any depth
+    under their class folder, as torchvision's ``ImageFolder`` reads them; classes and
+    files in sorted order), and the class names; a class folder without images is an
+    error. With ``limit``, a seeded random subset of that many images, kept in that
+    order."""
     root = Path(root)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-    items = [
-        (f, c)
-        for c, name in enumerate(classes)
-        for f in sorted((root / name).iterdir())
-        if f.suffix.lower() in IMAGE_SUFFIXES
-    ]
+    items = []
+    for c, name in enumerate(classes):
+        files = sorted(
+            f
+            for f in (root / name).rglob("*")
+            if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+        )
+        if not files:
+            raise UsageError(
+                f"{root / name}: a class folder with no images ({', '.join(IMAGE_SUFFIXES)}); "
+                "add its images or remove it"
+            )
+        items += [(f, c) for f in files]
     if limit is not None and limit < len(items):
         keep = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed))[:limit]
         items = [items[int(i)] for i in sorted(keep.tolist())]

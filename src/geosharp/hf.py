@@ -164,13 +164,26 @@ def is_vision(config) -> bool:
 
 
 def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> nn.Module:
-    """The base model (``AutoModel``) of a local checkpoint, in eval mode (float32 unless
-    ``dtype`` says otherwise)."""
-    from transformers import AutoModel
+    """The model of a local checkpoint as it was saved: the class its config names
+    (``architectures``: a ``BartForCausalLM`` is a decoder with its head, not a whole
+    ``BartModel`` with a random encoder), else ``AutoModel``; in eval mode (float32
+    unless ``dtype`` says otherwise). A corrupt config.json, missing or truncated weights
+    are one-line errors before anything loads."""
+    import transformers
 
     path = resolve_checkpoint(name)
+    config = load_config(path)
+    check_weights(path)
+    archs = getattr(config, "architectures", None) or []
+    cls = next(
+        (getattr(transformers, a) for a in archs if hasattr(transformers, a)),
+        transformers.AutoModel,
+    )
     with quiet_transformers():
-        model = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        try:
+            model = cls.from_pretrained(path, local_files_only=True, dtype=dtype)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise UsageError(f"{path}: the weights cannot be loaded ({_first_line(err)})") from None
     return model.eval()
 
 

@@ -380,7 +380,10 @@ class Fit:
 def preflight(model: nn.Module, batches: list[dict], source: str, task: str | None = None) -> Fit:
     """One forward pass over ``batches`` (no gradient) before anything slow: inputs the
     model's ``forward`` does not take, a forward that fails and a loss that is not
-    finite are one-line errors; the result is the unperturbed loss and accuracy."""
+    finite are one-line errors; the result is the unperturbed loss and accuracy. The
+    loss is the mean over batches of each batch's mean loss (per target token for a
+    causal LM, per point otherwise): the average the measures report as ``loss`` and
+    measure sharpness against."""
     from .params import evaluation_mode
 
     accepted = [
@@ -421,14 +424,14 @@ def preflight(model: nn.Module, batches: list[dict], source: str, task: str | No
                     f"--data {source}: the model cannot run on it ({type(err).__name__}: "
                     f"{why}); check the inputs' names, shapes and dtypes"
                 ) from None
-            if kind == CAUSAL_LM:  # weighted by target tokens: the mean over all of them
+            if kind == CAUSAL_LM:
                 loss, hits = _next_token(logits, batch["input_ids"], batch.get("attention_mask"))
-                total += float(loss) * len(hits)
+                total += float(loss)
                 right, count, n = right + float(hits.sum()), count + len(hits), n + len(hits)
                 continue
             labels = batch["labels"]
             size = len(labels)
-            total += float(_loss(kind, logits, labels)) * size
+            total += float(_loss(kind, logits, labels))
             n += size
             if kind == TASKS[0]:
                 right += float((logits.argmax(-1) == labels).sum())
@@ -436,7 +439,7 @@ def preflight(model: nn.Module, batches: list[dict], source: str, task: str | No
             elif kind == TASKS[2]:
                 right += float(((logits > 0) == (labels > 0.5)).sum())
                 count += labels.numel()
-    loss = total / n
+    loss = total / len(batches)
     if not math.isfinite(loss):
         raise UsageError(
             f"--data {source}: the unperturbed loss is {loss}; check the model and the data"

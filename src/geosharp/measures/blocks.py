@@ -18,7 +18,9 @@ its pairs:
 * ``per="head"``: each attention head, the entries of its pair blocks (its rows of
   the query, key and value projections and its columns of the output projection, with
   their biases), measured as a subspace of those parameters (:func:`head_entries`).
-  The symmetry acts on each head alone, so these values are invariant too.
+  The symmetry acts on each head alone, so these values are invariant too. Under
+  grouped-query attention the blocks are key/value heads, named ``kv<k>``, each with
+  the query heads that share it.
 
 Blocks of parameters shared between modules, or joined by a pair, are merged into one.
 """
@@ -85,7 +87,10 @@ def parameter_blocks(model: nn.Module, per: str, pairs: Sequence = ()) -> dict[s
 def head_entries(pairs: Sequence) -> dict[str, dict[str, Tensor]]:
     """``{"<module>.head<k>": {parameter: flat positions}}``: the entries of head ``k``'s
     blocks in every pair of an attention module (per pair, ``"<module>:<kind>.head<k>"``,
-    when the module's pairs have different numbers of heads)."""
+    when the module's pairs have different numbers of heads). Under grouped-query
+    attention a block is a key/value head with the query heads that read it (a key
+    head's symmetry acts on all of them at once): ``"<module>.kv<k>"``, holding
+    ``pair.query_heads`` query heads."""
     modules: dict[str, list] = {}
     for pair in pairs:
         modules.setdefault(pair.module, []).append(pair)
@@ -101,7 +106,8 @@ def head_entries(pairs: Sequence) -> dict[str, dict[str, Tensor]]:
                 for spec in group:
                     for block in (*spec.g_blocks, *spec.h_blocks):
                         found.setdefault(block.param, []).append(block.index[k].reshape(-1))
-                out[f"{name}.head{k}"] = {p: torch.unique(torch.cat(v)) for p, v in found.items()}
+                unit = "kv" if any(spec.query_heads > 1 for spec in group) else "head"
+                out[f"{name}.{unit}{k}"] = {p: torch.unique(torch.cat(v)) for p, v in found.items()}
     return out
 
 

@@ -92,6 +92,7 @@ class HessianTraceResult:
         )
 
 
+@torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
 def hessian_trace(
     model: nn.Module,
     batches: Iterable,

@@ -115,6 +115,7 @@ _GEOMETRY_KEYS = ("geometry", "metric", "eps", "p", "elementwise_step")
 _ESTIMATOR_KEYS = ("kind", "n_iters", "n_samples", "starts", "random_start")
 
 
+@torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
 def sharpness(
     model: nn.Module,
     batches: Iterable,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import MissingDependencyError
+from ..errors import MissingDependencyError, UsageError
 
-__all__ = ["require_matplotlib", "save_png"]
+__all__ = ["check_figure_path", "require_matplotlib", "save_png"]
 
 
 def require_matplotlib():
@@ -21,6 +21,21 @@ def require_matplotlib():
         ) from None
     matplotlib.use("Agg")
     return matplotlib
+
+
+def check_figure_path(path: str | Path, option: str = "--plot") -> None:
+    """An error, before any work, unless ``path`` ends in a format matplotlib writes
+    (``.png``, ``.pdf``, ``.svg``, ...)."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise UsageError(
+            f"{option} {path}: "
+            + (f"'.{suffix}' is not a figure format" if suffix else "no file extension")
+            + f"; end it in one of {', '.join('.' + f for f in sorted(formats))}"
+        )
 
 
 def save_png(fig, path: Path, dpi: int = 100) -> Path:

@@ -578,6 +578,13 @@ def run_paper(args) -> dict:
             f"no checkpoints under {args.checkpoints} (sub-directories with config.json, "
             "or *.pt files)"
         )
+    if args.setting == "clip":  # every fine-tune's files, before any is measured
+        for ckpt in checkpoints:
+            if ckpt.is_dir() and not (ckpt / "classification_head.safetensors").exists():
+                raise MissingInputError(
+                    f"{ckpt}: no classification_head.safetensors (the fine-tune's head, "
+                    "weight (classes, d) and optional bias); save it beside config.json"
+                )
     rank, _ = gd.init()  # under torchrun every rank takes its share of the checkpoints
     device = check_device(args.device)
     autocast = autocast_dtype(args.autocast)

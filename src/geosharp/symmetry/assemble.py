@@ -33,7 +33,7 @@ is guessed. Every pair kept is then verified numerically
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -446,7 +446,9 @@ class _Builder:
             cols = torch.tensor(columns, dtype=_I64)
             g = tuple(self._blocks(comps, "g", cols))
             hb = tuple(self._blocks(comps, "h", cols))
-            specs.append(PairSpec(module, part_kind, g, hb, group=group, note=note))
+            specs.append(
+                PairSpec(module, part_kind, g, hb, group=group, note=note, query_heads=stack)
+            )
         return specs
 
     def _blocks(self, comps: list, side: str, cols: Tensor) -> list[Block]:
@@ -774,4 +776,4 @@ def _common_module(params: list[str]) -> str | None:
 
 
 def _renamed(spec: PairSpec, module: str) -> PairSpec:
-    return PairSpec(module, spec.kind, spec.g_blocks, spec.h_blocks, spec.group, spec.note)
+    return replace(spec, module=module)

@@ -403,13 +403,11 @@ def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
         return b.renamed(name(b.param))
 
     pairs = [
-        PairSpec(
-            name(p.module),
-            p.kind,
-            tuple(map(block, p.g_blocks)),
-            tuple(map(block, p.h_blocks)),
-            p.group,
-            p.note,
+        replace(
+            p,
+            module=name(p.module),
+            g_blocks=tuple(map(block, p.g_blocks)),
+            h_blocks=tuple(map(block, p.h_blocks)),
         )
         for p in assembly.pairs
     ]
@@ -501,8 +499,8 @@ def _merged(pairs: list[PairSpec]) -> tuple[list[PairSpec], list[Dropped]]:
                 joint = (other.g_blocks + pair.g_blocks, other.h_blocks)
         if joint is not None:
             try:
-                out[clash] = PairSpec(
-                    other.module, other.kind, *joint, group=other.group,
+                out[clash] = replace(
+                    other, g_blocks=joint[0], h_blocks=joint[1],
                     note=f"shared with {pair.module}",
                 )  # fmt: skip
                 continue

@@ -183,6 +183,8 @@ class PairSpec:
     (every invertible ``A``) or ``"rotary"`` (``A`` a complex scalar on each plane
     ``(j, j + h/2)``: the query/key symmetry left by rotary position embeddings,
     MATH.md section 1). ``note`` is free text for :meth:`Symmetries.summary`.
+    ``query_heads``: the query heads each stacked block holds (grouped-query attention
+    stacks several on one key/value head; 1 otherwise).
     """
 
     module: str
@@ -191,6 +193,7 @@ class PairSpec:
     h_blocks: tuple[Block, ...]
     group: str = "GL"
     note: str = ""
+    query_heads: int = 1
 
     def __post_init__(self) -> None:
         hg, _, cg = _concat_rows(self.g_blocks)
