@@ -186,6 +186,101 @@ class MaskedLogits(Plain):
         return self.o(_merge(masked.softmax(-1) @ v)), masked
 
 
+def _angles(n, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    return torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]  # (n, d/2)
+
+
+class RotaryComplex(Plain):
+    """Rotary embeddings as complex multiplication (Meta's LLaMA code)."""
+
+    def forward(self, x):
+        q, k, v = _split(self.q(x)), _split(self.k(x)), _split(self.v(x))
+        b, h, n, d = q.shape
+        freqs = torch.polar(torch.ones(n, d // 2, dtype=torch.float64), _angles(n, d))
+
+        def rotate(t):
+            z = torch.view_as_complex(t.reshape(b, h, n, d // 2, 2).contiguous())
+            return torch.view_as_real(z * freqs).reshape(b, h, n, d)
+
+        q, k = rotate(q), rotate(k)
+        return self.o(_merge((q @ k.transpose(-1, -2)).softmax(-1) @ v))
+
+
+class RotaryMatrix(Plain):
+    """Rotary embeddings as an explicit rotation matrix per position."""
+
+    def forward(self, x):
+        q, k, v = _split(self.q(x)), _split(self.k(x)), _split(self.v(x))
+        n, d = q.shape[2], q.shape[3]
+        a = _angles(n, d)
+        cos, sin = torch.cos(a), torch.sin(a)
+        R = torch.zeros(n, d, d, dtype=torch.float64)
+        j = torch.arange(d // 2)
+        R[:, 2 * j, 2 * j], R[:, 2 * j + 1, 2 * j + 1] = cos, cos
+        R[:, 2 * j, 2 * j + 1], R[:, 2 * j + 1, 2 * j] = -sin, sin
+        q = torch.einsum("bhnd,nde->bhne", q, R)
+        k = torch.einsum("bhnd,nde->bhne", k, R)
+        return self.o(_merge((q @ k.transpose(-1, -2)).softmax(-1) @ v))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2): low-rank queries and keys/values from
+    latents, and a decoupled rotary part, one key head shared by all query heads."""
+
+    def __init__(self, latent=6, rope=2):
+        super().__init__()
+        self.rope = rope
+        self.q_down, self.q_up = nn.Linear(D, latent), nn.Linear(latent, HEADS * (DH + rope))
+        self.kv_down = nn.Linear(D, latent + rope)
+        self.k_up, self.v_up = nn.Linear(latent, D), nn.Linear(latent, D)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_up(self.q_down(x)).view(b, n, HEADS, DH + self.rope).transpose(1, 2)
+        q_nope, q_rope = q[..., :DH], q[..., DH:]
+        c, k_rope = self.kv_down(x).split([self.kv_down.out_features - self.rope, self.rope], -1)
+        k_nope, v = _split(self.k_up(c)), _split(self.v_up(c))
+        a = _angles(n, self.rope)
+        cos, sin = torch.cos(a), torch.sin(a)
+
+        def rotate(t):
+            t1, t2 = t[..., :1], t[..., 1:]
+            return torch.cat([t1 * cos - t2 * sin, t1 * sin + t2 * cos], -1)
+
+        q_rope, k_rope = rotate(q_rope), rotate(k_rope[:, None].expand(b, HEADS, n, self.rope))
+        q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
+        return self.o(_merge((q @ k.transpose(-1, -2)).softmax(-1) @ v))
+
+
+class WindowGlobal(Plain):
+    """Attention within windows of 3 tokens, each window also attending to a learned
+    global token."""
+
+    def __init__(self):
+        super().__init__()
+        self.global_token = nn.Parameter(torch.randn(1, 1, D))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        w = 3
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        g_k, g_v = self.k(self.global_token), self.v(self.global_token)
+
+        def windows(t):
+            return t.view(b, n // w, w, HEADS, DH).permute(0, 1, 3, 2, 4)  # b, nw, h, w, d
+
+        def glob(t):
+            return t.view(1, 1, HEADS, 1, DH).expand(b, n // w, HEADS, 1, DH)
+
+        q, k, v = windows(q), torch.cat([windows(k), glob(g_k)], 3), torch.cat(
+            [windows(v), glob(g_v)], 3
+        )
+        y = (q @ k.transpose(-1, -2)).softmax(-1) @ v  # b, nw, h, w, d
+        return self.o(y.permute(0, 1, 3, 2, 4).reshape(b, n, D))
+
+
 class Stack(nn.Module):
     """Blocks with a residual stream, a head; options to tie and share weights."""
 
@@ -246,6 +341,10 @@ CASES = [
     Case("values-shared-by-layers", _stack(Plain, layers=2, share_values=True), 3, "found"),
     Case("aliased-norm", _stack(Plain, alias_norm=True), 2, "found"),
     Case("root-named-mha", lambda: MHAModel(Plain), 2, "found"),
+    Case("rotary-complex", _stack(RotaryComplex), 2, "labelled"),
+    Case("rotary-matrix", _stack(RotaryMatrix), 2, "labelled"),
+    Case("latent-attention", _stack(LatentAttention), 2, "labelled"),
+    Case("windows-and-global-token", _stack(WindowGlobal), 2, "found"),
 ]
 
 

@@ -968,7 +968,11 @@ class Tracer:
             sf, lf, l_other = (sl, ll, lr) if featlike[0] else (sr, lr, ll)
             if isinstance(sf, Feat) and _constant_along(sf, lf, contracted):
                 return self._mix(sf, lf, l_other, lo, contracted, out, by_scores=False)
-            return self._taint([sf], f"features contracted with an activation in {self.here}", True)
+            # a fixed or data-dependent linear map of a head's features (a rotation
+            # written as a matrix, say) may keep a subgroup: not understood, not absent
+            reason = f"features contracted with a matrix of activations or constants in {self.here}"
+            self._unknown([sf], reason)
+            return self._taint([sf], reason, False)
         if "none" in kinds:
             return None
         return CONST
