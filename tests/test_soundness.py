@@ -165,3 +165,21 @@ def test_float32_inside_float64_keeps_its_pairs_on_a_badly_conditioned_copy(fami
         again = find_symmetries(moved, inputs, loss_fn=loss, warn=False)
     assert len(again.pairs) == len(found.pairs) > 0 and again.complete
     assert {v.dtype for v in again.verified.values()} == {"float64"}
+
+
+def test_parameters_the_batch_does_not_use_are_said():
+    """GPT-2 with cross-attention, traced without encoder states: no pair is claimed for
+    it, and its parameters are listed as unused by the traced batch."""
+    import transformers as tf
+
+    config = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                           add_cross_attention=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(config).double().eval()
+    ids = {"input_ids": torch.randint(0, 50, (2, 5))}
+    sym = find_symmetries(model, ids, warn=False)
+    assert any(".crossattention." in n for n in sym.idle)
+    assert not any(".crossattention." in n for p in sym.pairs for n in p.params)
+    assert "not used by the traced batch" in sym.summary()
+    with_states = {**ids, "encoder_hidden_states": torch.randn(2, 4, 16, dtype=F64)}
+    assert not any(".crossattention." in n for n in find_symmetries(model, with_states).idle)

@@ -617,6 +617,7 @@ def _symmetry_report(target: _Target, geo: Geometry) -> dict:
         "attention_modules": len(sym.attention),
         "verified": sum(1 for p in target.pairs if p.name in sym.verified),
         "unverified": [p.name for p in target.pairs if p.name not in sym.verified],
+        "idle": list(sym.idle),
         "absent": absent,
         "ignored": ignored,
     }

@@ -201,6 +201,13 @@ def find_symmetries(
         dropped=dropped,
         verified=verified,
         discovery=discovery,
+        idle=[]
+        if assembly is None
+        else [
+            n
+            for n, _ in named
+            if n not in assembly.uses and not any(_inside(n, h) for h in handled)
+        ],
     )
     symmetries.validate()
     if warn and symmetries.unrecognized:

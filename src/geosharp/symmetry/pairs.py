@@ -286,6 +286,10 @@ class Symmetries:
     dropped: list[Dropped] = field(default_factory=list)
     verified: dict[str, Verification] = field(default_factory=dict)
     discovery: str = "structure"
+    idle: list[str] = field(default_factory=list)
+    """Parameters the traced forward pass did not use (a decoder's cross-attention
+    without encoder states, an unused head): they take no part in that batch's loss, and
+    their symmetries, if any, are unknown; pass a batch that uses them."""
 
     def coverage(self) -> dict[str, Tensor]:
         """For every parameter, how many pair entries use each of its entries."""
@@ -464,6 +468,11 @@ class Symmetries:
                     subsequent_indent="        ",
                     break_on_hyphens=False,
                 )
+            )
+        if self.idle:
+            lines.append(
+                f"not used by the traced batch (their symmetries are unknown; they take no part "
+                f"in its loss): {len(self.idle)} parameters, first {self.idle[0]}"
             )
         if self.unrecognized:
             lines.append(
