@@ -169,9 +169,9 @@ def test_docs_numbers_are_the_benchmarks():
     power = min(r["least_power"] for r in rows if r["least_power"] is not None)
     median = sorted(r["verification_seconds"] for r in rows)[len(rows) // 2]
     sentence = " ".join(docs.split("Measured (")[1].split(". ")[0:2]).replace("\n", " ")
-    assert f"{f64:.1e} relative in float64" in sentence and f"{f32:.1e} where" in sentence
-    assert f"was {power:.2f}, five orders of magnitude" in sentence
-    assert power > 1e5 * 1e-6  # "five orders of magnitude above the tolerance"
+    assert f"was {f64:.1e} (relative" in sentence and f"{f32:.1e} where" in sentence
+    text = docs.replace("\n", " ")
+    assert f"was {power:.2f}, and every check was conclusive" in text
     assert f"{1e3 * median:.1f} ms of verification per model" in docs
     meta = bench["meta_70b"]
     claim = f"{meta['pair_blocks']} pair blocks"

@@ -152,11 +152,7 @@ def find_symmetries(
         if check is not None:
             verified[pair.name] = check
     for pair, check in failed:
-        reason = (
-            f"a transform in its group changes the output of {_unit_name(check.unit)} "
-            f"by {check.change:.1e} (relative, {check.dtype}; tolerance "
-            f"{check.tolerance:.0e}): not a symmetry"
-        )
+        reason = _refuted(check)
         if any(_overlap(pair, p) for p in pairs):
             if warn:
                 warnings.warn(
@@ -246,12 +242,7 @@ def verify_symmetries(
         if check is not None and check.ok and check.conclusive:
             verified[pair.name] = check
             continue
-        reason = (
-            _unverified(check)
-            if check is None or check.ok
-            else f"a transform in its group changes the output of {_unit_name(check.unit)} "
-            f"by {check.change:.1e} (tolerance {check.tolerance:.0e}): not a symmetry"
-        )
+        reason = _unverified(check) if check is None or check.ok else _refuted(check)
         dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
         bad.add(pair.name)
     modules = [*symmetries.unrecognized, *(p.module for p in todo if p.name in bad)]
@@ -474,6 +465,14 @@ def _uses(model: nn.Module, traced: Mapping[str, set[str]]) -> dict[str, set[str
 
 def _unit_name(unit: str) -> str:
     return {"": "the model", LOSS: "the loss"}.get(unit, unit)
+
+
+def _refuted(check) -> str:
+    return (
+        f"a transform in its group changes the output of {_unit_name(check.unit)} by "
+        f"{check.change:.1e} (relative, {check.dtype}; tolerance {check.tolerance:.0e}): "
+        "not a symmetry"
+    )
 
 
 def _unverified(check) -> str:
