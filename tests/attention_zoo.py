@@ -125,6 +125,16 @@ class Landmarks(nn.Module):
         return self.o(_merge((q @ k.transpose(-1, -2)).softmax(-1) @ v))
 
 
+class CumulativeKeys(Plain):
+    """Each key the running mean of the keys up to it (a cumulative sum over tokens)."""
+
+    def forward(self, x):
+        q, k, v = _split(self.q(x)), _split(self.k(x)), _split(self.v(x))
+        counts = torch.arange(1, k.shape[2] + 1, dtype=k.dtype).view(1, 1, -1, 1)
+        k = k.cumsum(2) / counts
+        return self.o(_merge((q @ k.transpose(-1, -2)).softmax(-1) @ v))
+
+
 class TokenMixer(nn.Module):
     """Linear attention, ``Q (K^T V)``: a symmetry of the values and outputs exists, the
     query/key form is not a bilinear score; the name says nothing."""
@@ -334,6 +344,7 @@ CASES = [
     Case("sigmoid-gate", _stack(lambda: Plain("sigmoid-gate")), 2, "found"),
     Case("per-feature-scale", _stack(lambda: Plain("feature-scale")), 1, "labelled"),
     Case("landmark-means", _stack(Landmarks), 2, "found"),
+    Case("cumulative-keys", _stack(CumulativeKeys), 2, "found"),
     Case("masked-logits", _stack(MaskedLogits), 2, "found"),
     Case("linear-attention", _stack(TokenMixer), 1, "labelled"),
     Case("opaque-kernel", _stack(OpaqueMixer), 2, "labelled"),
