@@ -284,8 +284,10 @@ class WindowGlobal(Plain):
         def glob(t):
             return t.view(1, 1, HEADS, 1, DH).expand(b, n // w, HEADS, 1, DH)
 
-        q, k, v = windows(q), torch.cat([windows(k), glob(g_k)], 3), torch.cat(
-            [windows(v), glob(g_v)], 3
+        q, k, v = (
+            windows(q),
+            torch.cat([windows(k), glob(g_k)], 3),
+            torch.cat([windows(v), glob(g_v)], 3),
         )
         y = (q @ k.transpose(-1, -2)).softmax(-1) @ v  # b, nw, h, w, d
         return self.o(y.permute(0, 1, 3, 2, 4).reshape(b, n, D))
