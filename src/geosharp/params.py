@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 from torch import Tensor, nn
 
 __all__ = [
+    "FunctionalLoss",
     "LossFunction",
+    "checkpoint_errors",
     "evaluation_mode",
     "functional_loss",
     "require_grad",
@@ -97,21 +99,39 @@ def _registry(model: nn.Module) -> tuple[dict[str, Tensor], dict[int, list[tuple
     return by_name, slots
 
 
-def functional_loss(
-    model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
-) -> Callable[[Mapping[str, Tensor], object], Tensor]:
-    """Return ``f(params, batch)``: the loss with ``params`` swapped into ``model``.
+class FunctionalLoss:
+    """``f(params, batch)``: the loss with ``params`` swapped into ``model``.
 
     ``params`` maps parameter names of ``model`` to tensors; parameters not named keep
     their values, or take the ones in ``base`` (parameters and buffers, e.g. float32
-    copies). The model is left untouched, also when ``loss_fn`` raises.
+    copies). The model is left untouched, also when ``loss_fn`` raises. A backward
+    through activation checkpointing recomputes the forward pass during the backward:
+    run both inside :meth:`holding` so that the recomputation sees ``params`` too.
     """
 
-    def evaluate(params: Mapping[str, Tensor], batch: object) -> Tensor:
-        with swapped(model, params, base):
-            return loss_fn(model, batch)
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
+    ):
+        self.model, self.loss_fn, self.base = model, loss_fn, base
 
-    return evaluate
+    def __call__(self, params: Mapping[str, Tensor], batch: object) -> Tensor:
+        with self.holding(params):
+            return self.loss_fn(self.model, batch)
+
+    def holding(self, params: Mapping[str, Tensor]):
+        """The model computes with ``params`` (and ``base``) inside."""
+        return swapped(self.model, params, self.base)
+
+    def loss(self, batch: object) -> Tensor:
+        """The loss of the model as it is now (inside :meth:`holding`)."""
+        return self.loss_fn(self.model, batch)
+
+
+def functional_loss(
+    model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
+) -> FunctionalLoss:
+    """:class:`FunctionalLoss` of ``model`` and ``loss_fn``."""
+    return FunctionalLoss(model, loss_fn, base)
 
 
 @contextlib.contextmanager
@@ -134,6 +154,26 @@ def scalar_loss(loss: object) -> Tensor:
     if loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar")
     return loss.reshape(())
+
+
+@contextlib.contextmanager
+def checkpoint_errors() -> Iterator[None]:
+    """PyTorch's error for a backward with respect to chosen tensors through reentrant
+    activation checkpointing, as a one-line error with its fix."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        from .errors import UsageError
+
+        raise UsageError(
+            "the model uses torch.utils.checkpoint with use_reentrant=True, which cannot "
+            "differentiate with respect to the measured parameters alone: use "
+            "use_reentrant=False (PyTorch's recommended setting; in Hugging Face, "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False}))"
+        ) from None
 
 
 def require_grad(loss: Tensor) -> None:

@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..errors import UsageError
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
-from ..params import LossFunction, evaluation_mode, functional_loss
+from ..params import LossFunction, checkpoint_errors, evaluation_mode, functional_loss
 from ..symmetry.pairs import Symmetries
 from .fsdp import is_sharded
 from .sharpness import (
@@ -159,38 +159,42 @@ def hessian_trace(
         for index, batch in _limited(batches, max_batches, progress, "hessian trace", total):
             del index
             params = {n: t.detach().requires_grad_() for n, t in theta.items()}
-            loss = evaluate(params, batch)
-            losses.append(_checked_loss(loss, "unperturbed"))
-            leaves = list(params.values())
-            grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
-            if all(g is None for g in grads):
-                raise ValueError("the loss does not depend on the parameters to measure")
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-            # the Christoffel term <grad f, a(z)>; a = 0 on a straight step
-            flat_grad = (
-                None if space.straight else torch.cat([g.detach().reshape(-1) for g in grads])
-            )
-            curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
-            for start in range(0, n_probes, probe_batch):
-                ks = range(start, min(n_probes, start + probe_batch))
-                zs = []
-                for k in ks:
-                    generator = torch.Generator(device=target.device)
-                    zs.append(space.random(generator.manual_seed(_batch_seed(seed, k))))
-                views = [layout.unflatten(z) for z in zs]
-                totals = [0.0] * len(zs)
-                if flat_grad is not None:
-                    totals = [float(space.dot(flat_grad, space.acceleration(z))) for z in zs]
-                if curved:  # else the loss is linear in the parameters
-                    hzs = _hessian_vector_products(curved, views, retain=ks[-1] + 1 < n_probes)
-                    for j, hz in enumerate(hzs):
-                        for (n, *_), h in zip(curved, hz):
-                            if h is not None:
-                                v = views[j][n].reshape(-1)
-                                totals[j] += float(space.dot(h.reshape(-1), v))
-                for k, total in zip(ks, totals):
-                    sums[k] += total
-            del grads, flat_grad, curved
+            # the Hessian-vector products differentiate through the forward: under
+            # activation checkpointing it is recomputed then, with the same parameters
+            with evaluate.holding(params):
+                loss = evaluate.loss(batch)
+                losses.append(_checked_loss(loss, "unperturbed"))
+                leaves = list(params.values())
+                with checkpoint_errors():
+                    grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+                if all(g is None for g in grads):
+                    raise ValueError("the loss does not depend on the parameters to measure")
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+                # the Christoffel term <grad f, a(z)>; a = 0 on a straight step
+                flat_grad = (
+                    None if space.straight else torch.cat([g.detach().reshape(-1) for g in grads])
+                )
+                curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
+                for start in range(0, n_probes, probe_batch):
+                    ks = range(start, min(n_probes, start + probe_batch))
+                    zs = []
+                    for k in ks:
+                        generator = torch.Generator(device=target.device)
+                        zs.append(space.random(generator.manual_seed(_batch_seed(seed, k))))
+                    views = [layout.unflatten(z) for z in zs]
+                    totals = [0.0] * len(zs)
+                    if flat_grad is not None:
+                        totals = [float(space.dot(flat_grad, space.acceleration(z))) for z in zs]
+                    if curved:  # else the loss is linear in the parameters
+                        hzs = _hessian_vector_products(curved, views, retain=ks[-1] + 1 < n_probes)
+                        for j, hz in enumerate(hzs):
+                            for (n, *_), h in zip(curved, hz):
+                                if h is not None:
+                                    v = views[j][n].reshape(-1)
+                                    totals[j] += float(space.dot(h.reshape(-1), v))
+                    for k, total in zip(ks, totals):
+                        sums[k] += total
+                del grads, flat_grad, curved
     if not losses:
         raise ValueError("no batches: `batches` yielded nothing to measure on")
     per_probe = (sums / len(losses)).tolist()

@@ -31,7 +31,14 @@ from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..layout import ParameterLayout
-from ..params import LossFunction, evaluation_mode, functional_loss, require_grad, scalar_loss
+from ..params import (
+    LossFunction,
+    checkpoint_errors,
+    evaluation_mode,
+    functional_loss,
+    require_grad,
+    scalar_loss,
+)
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
@@ -917,11 +924,19 @@ class _LossGrad:
             leaf.register_post_accumulate_grad_hook(hook)
             targets[id(leaf)] = target
             leaves[name] = leaf
-        with self.autocast():
-            loss = self.evaluate(leaves, self.batch)
-        loss = scalar_loss(loss)
-        require_grad(loss)
-        loss.backward(inputs=list(leaves.values()))
+        # forward and backward with the point swapped in: a backward through activation
+        # checkpointing recomputes the forward, which must see the point too
+        holding = getattr(self.evaluate, "holding", None)
+        with holding(leaves) if holding is not None else contextlib.nullcontext():
+            with self.autocast():
+                if holding is not None:
+                    loss = self.evaluate.loss(self.batch)
+                else:
+                    loss = self.evaluate(leaves, self.batch)
+            loss = scalar_loss(loss)
+            require_grad(loss)
+            with checkpoint_errors():
+                loss.backward(inputs=list(leaves.values()))
         for leaf in leaves.values():  # parameters the loss does not reach
             if id(leaf) not in filled:
                 targets[id(leaf)].zero_()
