@@ -242,3 +242,40 @@ def _renamed(state):
             parts.insert(2, "inner")
         out[".".join(parts)] = v
     return out
+
+
+def test_no_gradient_for_what_is_not_perturbed():
+    """An attention-only measure: the other parameters do not require grad while it
+    runs (no gradient computed for them), and every flag is back afterwards, also when
+    the loss raises."""
+    model, x = build(next(c for c in CASES if c.name == "plain"))
+    attention = {n for n, _ in model.named_parameters() if n.startswith("blocks.0.")}
+    seen = []
+
+    def watching(m, batch):
+        seen.append({n for n, p in m.named_parameters() if p.requires_grad})
+        return loss_fn(m, batch)
+
+    geosharp.sharpness(
+        model, [x], watching, "adaptive", 0.1, geosharp.WorstCase(n_iters=2), parameters=attention
+    )
+    assert seen and all(s == set() or s <= attention for s in seen)
+    assert all(p.requires_grad for p in model.parameters())
+
+    def failing(m, batch):
+        if len(seen) > 3:
+            raise RuntimeError("out of memory")
+        return watching(m, batch)
+
+    seen.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        geosharp.sharpness(
+            model,
+            [x],
+            failing,
+            "adaptive",
+            0.1,
+            geosharp.WorstCase(n_iters=5),
+            parameters=attention,
+        )
+    assert all(p.requires_grad for p in model.parameters())

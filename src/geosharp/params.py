@@ -12,7 +12,7 @@ module: the others keep the swapped tensors.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from torch import Tensor, nn
 
@@ -21,6 +21,7 @@ __all__ = [
     "LossFunction",
     "checkpoint_errors",
     "evaluation_mode",
+    "frozen_except",
     "functional_loss",
     "require_grad",
     "scalar_loss",
@@ -154,6 +155,36 @@ def scalar_loss(loss: object) -> Tensor:
     if loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar")
     return loss.reshape(())
+
+
+@contextlib.contextmanager
+def frozen_except(model: nn.Module, keep: Iterable[str]) -> Iterator[None]:
+    """Inside, the parameters of ``model`` not named in ``keep`` (any alias counts) do
+    not require grad: a backward computes no gradient for what is not measured. Every
+    flag is restored on exit, also on error.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> with frozen_except(model, ["1.weight"]):
+    ...     [p.requires_grad for p in model.parameters()]
+    [False, False, True, False]
+    >>> all(p.requires_grad for p in model.parameters())
+    True
+    """
+    kept = set(keep)
+    names: dict[int, set[str]] = {}
+    tensors: dict[int, Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+        tensors[id(p)] = p
+    flipped = [tensors[i] for i, n in names.items() if tensors[i].requires_grad and not (n & kept)]
+    try:
+        for p in flipped:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in flipped:
+            p.requires_grad_(True)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..errors import UsageError
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
-from ..params import LossFunction, checkpoint_errors, evaluation_mode, functional_loss
+from ..params import (
+    LossFunction,
+    checkpoint_errors,
+    evaluation_mode,
+    frozen_except,
+    functional_loss,
+)
 from ..symmetry.pairs import Symmetries
 from .fsdp import is_sharded
 from .sharpness import (
@@ -151,7 +157,11 @@ def hessian_trace(
     layout, theta = target.layout, target.theta
     sums = torch.zeros(n_probes, dtype=torch.float64)
     losses = []
-    with evaluation_mode(model), sdpa_kernel(SDPBackend.MATH):
+    with (
+        evaluation_mode(model),
+        frozen_except(model, [n for n, _ in target.named]),
+        sdpa_kernel(SDPBackend.MATH),
+    ):
         space = PerturbationSpace(theta, layout, target.pairs, geo)
         evaluate = functional_loss(
             model, loss_fn, _float32_copies(model, target.named) if target.upcast else None

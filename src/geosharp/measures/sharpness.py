@@ -35,6 +35,7 @@ from ..params import (
     LossFunction,
     checkpoint_errors,
     evaluation_mode,
+    frozen_except,
     functional_loss,
     require_grad,
     scalar_loss,
@@ -332,6 +333,8 @@ def sharpness(
         settings["sharded"] = torch.distributed.get_world_size()
     with (
         evaluation_mode(model),
+        # no gradient for what is not perturbed (a sharded model keeps its flags)
+        frozen_except(model, [n for n, _ in named]) if sharded is None else _nothing(),
         _matmuls(device, matmul_precision, settings),
         _restoring(sharded, theta),
     ):
@@ -955,6 +958,9 @@ def _float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> di
         for n, t in tensors
         if n not in skip and t.dtype in (torch.float16, torch.bfloat16)
     }
+
+
+_nothing = contextlib.nullcontext
 
 
 def _value(loss: Tensor) -> Tensor:
