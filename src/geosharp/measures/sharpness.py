@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
 from ..geometry.sharded import Shards
@@ -315,10 +316,20 @@ def sharpness(
         raise ValueError(
             f"matmul_precision must be 'highest' or 'as-set', got {matmul_precision!r}"
         )
+    # a half-precision model: float32 where the perturbation lives, the rest as it is
+    mixed = (
+        _MixedPrecision.plan(model, named, named[0][1].dtype)
+        if upcast and target.shards is None and autocast_dtype is None
+        else None
+    )
     settings["precision"] = (
         f"{str(autocast_dtype).removeprefix('torch.')} autocast"
         if autocast_dtype is not None
-        else str(dtype).removeprefix("torch.")
+        else (
+            f"float32 in the perturbed modules, {str(mixed.half).removeprefix('torch.')} elsewhere"
+            if mixed is not None
+            else str(dtype).removeprefix("torch.")
+        )
     )
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
@@ -337,6 +348,7 @@ def sharpness(
         frozen_except(model, [n for n, _ in named]) if sharded is None else _nothing(),
         _matmuls(device, matmul_precision, settings),
         _restoring(sharded, theta),
+        contextlib.ExitStack() as stack,
     ):
         space = PerturbationSpace(
             theta, layout, pairs, geo, cache_scale=not low_memory, shards=target.shards
@@ -346,9 +358,13 @@ def sharpness(
             evaluate = sharded.evaluate
             theta = layout.unflatten(theta)
         else:
-            evaluate = functional_loss(
-                model, loss_fn, _float32_copies(model, named) if upcast else None
-            )
+            base = None
+            if mixed is not None:
+                base = mixed.base
+                stack.enter_context(mixed.active())
+            elif upcast:
+                base = _float32_copies(model, named)
+            evaluate = functional_loss(model, loss_fn, base)
         n_batches = total if max_batches is None or total is None else min(total, max_batches)
         mine = None if n_batches is None else -(-n_batches // world)  # this rank's share
         steps = Progress(
@@ -371,7 +387,8 @@ def sharpness(
                     with torch.no_grad():
                         floor = abs(loss0 - float(evaluate(theta, batch)))
                 else:
-                    floor = torch.finfo(dtype).eps * abs(loss0)
+                    # the rest of a half-precision model computes in its own precision
+                    floor = torch.finfo(mixed.half if mixed else dtype).eps * abs(loss0)
 
                 trace, per_start, broken = None, [], []
                 if worst:
@@ -958,6 +975,68 @@ def _float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> di
         for n, t in tensors
         if n not in skip and t.dtype in (torch.float16, torch.bfloat16)
     }
+
+
+@dataclass
+class _MixedPrecision:
+    """A half-precision model measured with float32 only where the perturbation lives:
+    the modules that own perturbed parameters compute in float32 (their other
+    parameters and buffers as float32 copies, ``base``; their floating inputs cast up,
+    their outputs cast back to ``half``); the rest of the model computes in ``half``
+    on its own weights. Possible where every such module is a leaf (holds no
+    submodules): a ``Linear``, an ``Embedding``, a norm."""
+
+    owners: list[nn.Module]
+    base: dict[str, Tensor]
+    half: torch.dtype
+
+    @classmethod
+    def plan(cls, model: nn.Module, perturbed: list[tuple[str, Tensor]], half):
+        modules = dict(model.named_modules(remove_duplicate=False))
+        ids = {id(t) for _, t in perturbed}
+        # every module that holds a perturbed parameter, under any of its names (a tied
+        # embedding and output head)
+        names = {n for n, t in model.named_parameters(remove_duplicate=False) if id(t) in ids}
+        owners = list(dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n in names))
+        if any(next(modules[o].children(), None) is not None for o in owners):
+            return None  # a module with submodules: the whole model in float32 instead
+        base = {}
+        for owner in owners:
+            prefix = f"{owner}." if owner else ""
+            module = modules[owner]
+            for local, t in [
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            ]:
+                if prefix + local not in names and t.dtype == half:
+                    base[prefix + local] = t.detach().float()
+        return cls(list({id(m): m for m in (modules[o] for o in owners)}.values()), base, half)
+
+    @contextlib.contextmanager
+    def active(self):
+        half = self.half
+
+        def up(x):
+            return x.float() if isinstance(x, Tensor) and x.dtype == half else x
+
+        def down(x):
+            return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
+
+        def before(_module, args, kwargs):
+            return tree_map(up, args), tree_map(up, kwargs)
+
+        def after(_module, _args, output):
+            return tree_map(down, output)
+
+        handles = []
+        try:
+            for module in self.owners:
+                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(module.register_forward_hook(after))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 _nothing = contextlib.nullcontext

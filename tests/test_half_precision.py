@@ -1,0 +1,62 @@
+"""A half-precision model is measured with float32 only where the perturbation lives:
+the modules that own perturbed parameters compute in float32, the rest in the model's
+own precision, on its own weights (no float32 copy of the whole model)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import geosharp
+from hf_zoo import build
+
+
+@pytest.mark.parametrize("measure", ["geodesic-inv", "adaptive"])
+def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(measure):
+    model, inputs, loss = build("llama")
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()  # the same bf16 weights, in float32
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
+    kw = dict(estimator=geosharp.WorstCase(n_iters=5), parameters=attention)
+    with warnings.catch_warnings():  # a value near what bf16 resolves is warned about
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        low = geosharp.sharpness(model, [inputs], loss, measure, 0.1, **kw)
+    ref = geosharp.sharpness(reference, [inputs], loss, measure, 0.1, **kw)
+    assert low.settings["precision"] == "float32 in the perturbed modules, bfloat16 elsewhere"
+    assert low.settings["dtype"] == "float32"  # the perturbation itself
+    assert abs(low.value - ref.value) <= low.floor
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_module_with_submodules_and_perturbed_weights_is_measured_all_in_float32():
+    """Where a perturbed parameter sits in a module that also holds submodules, its
+    forward cannot be cast alone: the whole model computes in float32 (said)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(x) * self.scale
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Scaled(), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0].to(m[2].weight.dtype)).float(), b[1])
+
+    low = geosharp.sharpness(half, [(x, y)], loss, "adaptive", 0.1, n_iters=3)
+    ref = geosharp.sharpness(
+        copy.deepcopy(half).float(), [(x, y)], loss, "adaptive", 0.1, n_iters=3
+    )
+    assert low.settings["precision"] == "float32"
+    assert low.value == pytest.approx(ref.value, rel=1e-5)
