@@ -367,21 +367,3 @@ def image_batches_for(
         if x.shape[1] != channels:
             x = x.mean(1, keepdim=True).expand(-1, channels, -1, -1)
         yield {"pixel_values": (x - 0.5) / 0.5, "labels": labels[start : start + batch_size]}
-
-
-def text_batches_for(
-    tokenizer, texts: list, labels: Tensor, batch_size: int, max_length: int = 64
-) -> Iterator[dict[str, Tensor]]:
-    """Tokenised batches (``texts`` may hold ``(a, b)`` pairs: sentence-pair inputs)."""
-    for start in range(0, len(labels), batch_size):
-        chunk = texts[start : start + batch_size]
-        pairs = bool(chunk) and isinstance(chunk[0], tuple)
-        enc = tokenizer(
-            [t[0] for t in chunk] if pairs else chunk,
-            [t[1] for t in chunk] if pairs else None,
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        yield {**dict(enc), "labels": labels[start : start + batch_size]}

@@ -273,12 +273,6 @@ class PerturbationSpace:
         return self.elementwise.scale
 
     @property
-    def inv_scale(self) -> Tensor:
-        """``1 / c`` on element-wise entries that may move, else 0 (a new vector)."""
-        scale = self.scale
-        return torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-
-    @property
     def active(self) -> Tensor | None:
         """Boolean flat mask of the entries a perturbation may use (a new vector), or
         ``None`` when all may."""

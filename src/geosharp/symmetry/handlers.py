@@ -195,10 +195,6 @@ def attention_pairs(
     return pairs
 
 
-def linear_projection(layer: nn.Module) -> Projection:
-    return Projection(layer.weight, layer.bias)
-
-
 # --- torch.nn ---------------------------------------------------------------------
 
 

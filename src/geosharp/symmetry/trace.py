@@ -293,7 +293,7 @@ _MOVE = {
 _SAME = {
     "to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda",
     "requires_grad_", "detach_", "dropout", "alpha_dropout", "feature_alpha_dropout",
-    "contiguous", "__neg__", "neg", "negative", "positive", "__pos__", "clone",
+    "__neg__", "neg", "negative", "positive", "__pos__",
 }  # fmt: skip
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__",
         "__isub__", "sub_", "subtract"}  # fmt: skip
@@ -649,7 +649,7 @@ class Tracer:
 
     def _move(self, func, name, args, kwargs, out, shadows) -> None:
         outs = _tensors(out)
-        if name in _SAME and name not in ("contiguous", "clone"):
+        if name in _SAME:
             # a cast or an identity (eval-mode dropout): each element keeps its sources,
             # and a parameter view's element keeps its place in the parameter
             first = shadows[0] if shadows else None
@@ -1046,7 +1046,6 @@ class Tracer:
             t = slot[index]
             kept = [c for c in letters if c in batch or c in contracted]
             t = t.expand([sizes[c] if c in batch else t.shape[i] for i, c in enumerate(kept)])
-            kept = [c for c in letters if c in batch or c in contracted]
             t = t.permute([kept.index(c) for c in batch] + [kept.index(c) for c in contracted])
             out.append(t.reshape(math.prod(t.shape[: len(batch)]), -1))
         return Side(ids=torch.stack(out, -1))
@@ -1208,18 +1207,6 @@ def _runs(t: Tensor) -> Tensor:
     starts = torch.cat([t[:1], t[cut]])
     stops = torch.cat([t[cut - 1] + 1, t[-1:] + 1])
     return torch.stack([starts, stops], 1)
-
-
-def _constant_axes_dropped(t: Tensor) -> Tensor:
-    """``t`` flattened, without the axes along which it is constant: broadcast axes
-    first (free), then those a comparison shows constant."""
-    for dim in range(t.dim()):
-        if t.shape[dim] > 1 and t.stride(dim) == 0:
-            t = t.narrow(dim, 0, 1)
-    for dim in reversed(range(t.dim())):
-        if t.shape[dim] > 1 and bool((t == t.narrow(dim, 0, 1)).all()):
-            t = t.narrow(dim, 0, 1)
-    return t.reshape(-1)
 
 
 def _bcast(t: Tensor, shape: tuple[int, ...]) -> Tensor:
