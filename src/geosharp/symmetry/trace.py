@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,6 +60,11 @@ __all__ = [
     "Tracer",
     "param_entry",
 ]
+
+STRICT = "GEOSHARP_STRICT_TRACE"
+"""With this environment variable set to ``1`` (the test suite sets it) an error inside
+the trace's own rules is raised instead of being read as an op the trace cannot look
+into."""
 
 PARAM_BASE = 1 << 40
 """Slot ids at or above this are parameter entries: ``(index + 1) * PARAM_BASE + position``."""
@@ -485,7 +491,9 @@ class Tracer:
             self.after(func, args, kwargs, out)
         except _Unsupported as err:
             self.unsupported(args, kwargs, out, str(err))
-        except Exception as err:  # a gap of the trace: never break the forward
+        except Exception as err:  # a gap of the trace: never break the user's forward
+            if os.environ.get(STRICT) == "1":  # the tests: a tracer bug is an error
+                raise
             self.unsupported(args, kwargs, out, f"{_name(func)} ({type(err).__name__})")
 
     # -- shadows ---------------------------------------------------------------------------
@@ -791,6 +799,12 @@ class Tracer:
             return
         if isinstance(sv, (PRef, PDerived)) or isinstance(st, (PRef, PDerived)):
             raise _Unsupported("writing into a parameter view")
+        if not isinstance(st, Feat) and not isinstance(sv, Feat):
+            # constants and activations only: a constant stays one only if what is
+            # written is constant too; else the target is an activation (no shadow)
+            if not (st is CONST and (sv is CONST or not isinstance(value, Tensor))):
+                self.shadows.pop(target, None)
+            return
         n = max(len(s.slots) for s in (st, sv) if isinstance(s, Feat))
         slots = []
         for k in range(n):
@@ -1151,6 +1165,12 @@ class _IdDict(dict):
 
     def __setitem__(self, t, value):
         dict.__setitem__(self, id(t), (t, value))
+
+    def pop(self, t, default=None):
+        entry = dict.get(self, id(t))
+        if entry is None or entry[0] is not t:
+            return default
+        return dict.pop(self, id(t))[1]
 
 
 def _scalar(x) -> object:
