@@ -19,6 +19,7 @@ from torch import Tensor, nn
 __all__ = [
     "FunctionalLoss",
     "LossFunction",
+    "aliases",
     "checkpoint_errors",
     "evaluation_mode",
     "frozen_except",
@@ -157,6 +158,22 @@ def scalar_loss(loss: object) -> Tensor:
     return loss.reshape(())
 
 
+def aliases(model: nn.Module) -> list[tuple[Tensor, list[str]]]:
+    """Each parameter object of ``model`` once, with every name it is registered under
+    (the first is ``named_parameters``' own; a tied weight or a module registered twice
+    has more).
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> [names for _, names in aliases(torch.nn.Sequential(lin, lin))]
+    [['0.weight', '1.weight'], ['0.bias', '1.bias']]
+    """
+    out: dict[int, tuple[Tensor, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), (p, []))[1].append(name)
+    return list(out.values())
+
+
 @contextlib.contextmanager
 def frozen_except(model: nn.Module, keep: Iterable[str]) -> Iterator[None]:
     """Inside, the parameters of ``model`` not named in ``keep`` (any alias counts) do
@@ -172,12 +189,7 @@ def frozen_except(model: nn.Module, keep: Iterable[str]) -> Iterator[None]:
     True
     """
     kept = set(keep)
-    names: dict[int, set[str]] = {}
-    tensors: dict[int, Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), set()).add(name)
-        tensors[id(p)] = p
-    flipped = [tensors[i] for i, n in names.items() if tensors[i].requires_grad and not (n & kept)]
+    flipped = [p for p, names in aliases(model) if p.requires_grad and not kept & set(names)]
     try:
         for p in flipped:
             p.requires_grad_(False)

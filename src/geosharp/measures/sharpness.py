@@ -34,6 +34,7 @@ from ..io import dumps
 from ..layout import ParameterLayout
 from ..params import (
     LossFunction,
+    aliases,
     checkpoint_errors,
     evaluation_mode,
     frozen_except,
@@ -345,7 +346,9 @@ def sharpness(
     with (
         evaluation_mode(model),
         # no gradient for what is not perturbed (a sharded model keeps its flags)
-        frozen_except(model, [n for n, _ in named]) if sharded is None else _nothing(),
+        frozen_except(model, [n for n, _ in named])
+        if sharded is None
+        else contextlib.nullcontext(),
         _matmuls(device, matmul_precision, settings),
         _restoring(sharded, theta),
         contextlib.ExitStack() as stack,
@@ -996,7 +999,7 @@ class _MixedPrecision:
         ids = {id(t) for _, t in perturbed}
         # every module that holds a perturbed parameter, under any of its names (a tied
         # embedding and output head)
-        names = {n for n, t in model.named_parameters(remove_duplicate=False) if id(t) in ids}
+        names = {n for p, all_names in aliases(model) if id(p) in ids for n in all_names}
         owners = list(dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n in names))
         if any(next(modules[o].children(), None) is not None for o in owners):
             return None  # a module with submodules: the whole model in float32 instead
@@ -1037,9 +1040,6 @@ class _MixedPrecision:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-_nothing = contextlib.nullcontext
 
 
 def _value(loss: Tensor) -> Tensor:

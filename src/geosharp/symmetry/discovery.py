@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import SymmetryWarning
-from ..params import swapped
+from ..params import aliases, swapped
 from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .assemble import Assembly, assemble
 from .inputs import example_inputs
@@ -453,11 +453,10 @@ def _verify(model, run, pairs, cond, seed, uses, ran=None):
 def _uses(model: nn.Module, traced: Mapping[str, set[str]]) -> dict[str, set[str]]:
     """Per parameter (by its first name), every module that holds it under any name
     and every module whose forward used it in the trace."""
-    first: dict[int, str] = {}
-    out: dict[str, set[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        key = first.setdefault(id(p), name)
-        out.setdefault(key, set()).add(name.rsplit(".", 1)[0] if "." in name else "")
+    out = {
+        names[0]: {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
+        for _, names in aliases(model)
+    }
     for name, modules in traced.items():
         out.setdefault(name, set()).update(modules)
     return out
