@@ -167,6 +167,8 @@ def _bad_inputs(bert, vit, csv, tmp):
     (tmp / "imgs" / "0" / "a.png").write_bytes(b"not a png")
     two = {"input_ids": torch.full((2, 4), 5), "labels": torch.tensor([[0.0, 1.0], [2.0, 0.0]])}
     torch.save(two, tmp / "multi_two.pt")
+    nan_target = {"input_ids": torch.full((2, 4), 5), "labels": torch.tensor([0.5, float("nan")])}
+    torch.save(nan_target, tmp / "regression_nan.pt")
     (tmp / "list.jsonl").write_text('{"text": ["good", "film"], "label": 0}\n')
     (tmp / "superscript.csv").write_text("text,label\ngood film,\u00b2\n", encoding="utf-8")
     (tmp / "nan.csv").write_text("text,label\ngood film,0.5\nbad film,nan\n")
@@ -196,6 +198,10 @@ def _bad_inputs(bert, vit, csv, tmp):
         "label a superscript digit": (
             ["measure", str(bert), "--data", str(tmp / "superscript.csv")],
             "neither a class index nor",
+        ),
+        "regression target nan in a .pt": (
+            ["measure", str(regression), "--data", str(tmp / "regression_nan.pt")],
+            "'labels' row 1 holds nan",
         ),
         "regression label nan": (
             ["measure", str(regression), "--data", str(tmp / "nan.csv")],

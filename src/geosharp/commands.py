@@ -454,9 +454,9 @@ def _tensor_batches(source: str, n: int, batch_size: int, classes: int, task: st
             )
         bad = (~torch.isfinite(labels.double())).nonzero()
         if len(bad):
+            where = tuple(int(i) for i in bad[0])
             raise UsageError(
-                f"--data {source}: 'labels' row {int(bad[0][0])} is "
-                f"{float(labels.reshape(len(labels), -1)[int(bad[0][0])].double().sum()):g}; "
+                f"--data {source}: 'labels' row {where[0]} holds {float(labels[where]):g}; "
                 "a regression target must be a finite number"
             )
     elif task == "multi_label_classification":
@@ -531,12 +531,12 @@ def run_measure(args) -> int:
         require_matplotlib()
         check_figure_path(args.plot)
     settings = run_settings(args, rhos)
-    settings["fingerprints"] = {  # a resume refuses data or weights changed since
-        "checkpoint": fingerprint(path, exclude=args.json if args.json != "-" else None),
-        "data": fingerprint(args.data, exclude=args.json if args.json != "-" else None)
-        if args.data not in BUILTIN_DATA
-        else None,
-    }
+    if args.json and args.json != "-":  # a resume refuses data or weights changed since
+        data = None if args.data in BUILTIN_DATA else fingerprint(args.data, exclude=args.json)
+        settings["fingerprints"] = {
+            "checkpoint": fingerprint(path, exclude=args.json),
+            "data": data,
+        }
     previous = resumable(args, settings)
     config = load_config(path)
     check_weights(path)
