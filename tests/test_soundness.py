@@ -279,3 +279,39 @@ def test_no_gradient_for_what_is_not_perturbed():
             parameters=attention,
         )
     assert all(p.requires_grad for p in model.parameters())
+
+
+class _OneValueTwoHeadings(torch.nn.Module):
+    """One value projection read as 2 heads by one attention and as 4 by another: the
+    value/output pairs overlap in different layouts, so no joint pair exists."""
+
+    def __init__(self):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.q1, self.k1, self.q2, self.k2, self.v = (lin(8, 8) for _ in range(5))
+        self.o1, self.o2 = lin(8, 8), lin(8, 8)
+
+    @staticmethod
+    def attend(q, k, v, heads):
+        def split(t):
+            return t.view(*t.shape[:2], heads, -1).transpose(1, 2)
+
+        y = (split(q) @ split(k).transpose(-1, -2)).softmax(-1) @ split(v)
+        return y.transpose(1, 2).reshape(q.shape)
+
+    def forward(self, x):
+        v = self.v(x)
+        a = self.o1(self.attend(self.q1(x), self.k1(x), v, 2))
+        return a + self.o2(self.attend(self.q2(x), self.k2(x), v, 4))
+
+
+def test_a_parameter_in_pairs_of_two_layouts_is_dropped_and_said():
+    torch.manual_seed(0)
+    model = Stack(_OneValueTwoHeadings).to(F64).eval()
+    x = torch.randn(4, 6, 5, dtype=F64)
+    before = snapshot(model)
+    sym = find_symmetries(model, x, loss_fn=loss_fn, warn=False)
+    assert sorted(p.kind for p in sym.pairs) == ["query-key", "query-key"]
+    assert not sym.complete
+    assert any("no joint pair" in d.reason for d in sym.dropped)
+    assert_unchanged(model, before)

@@ -210,3 +210,19 @@ def test_sharpness_under_no_grad_owns_its_gradients():
         inside = geosharp.sharpness(model, [batch], loss, "adaptive", 0.05).value
         assert not torch.is_grad_enabled()
     assert inside == free > 0
+
+
+def test_images_outside_the_8_and_16_bit_ranges_are_refused(tmp_path):
+    """A float image with values up to 300 has no 8-bit copy to match: an error naming
+    the file, never a clipped image."""
+    import numpy as np
+    from PIL import Image
+
+    from geosharp.data import read_images
+    from geosharp.errors import UsageError
+
+    Image.fromarray(np.full((4, 4), 300.0, dtype=np.float32), "F").save(tmp_path / "a.tiff")
+    with pytest.raises(
+        UsageError, match=r"a.tiff: not a readable image .*outside the 8- or 16-bit"
+    ):
+        read_images([tmp_path / "a.tiff"], "RGB")
