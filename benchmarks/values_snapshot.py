@@ -34,6 +34,13 @@ SETTINGS = {
     "adaptive-exp": dict(geometry="adaptive", elementwise_step="exp"),
 }
 
+# the keys of earlier snapshots, which spelled the estimator in flat keywords
+ESTIMATORS = {
+    "[]": geosharp.WorstCase(n_iters=20),
+    "[('starts', 2)]": geosharp.WorstCase(n_iters=20, starts=2),
+    "[('kind', 'average'), ('n_samples', 3)]": geosharp.AverageCase(n_samples=3),
+}
+
 
 def main(path: str) -> None:
     torch.set_num_threads(1)
@@ -43,18 +50,22 @@ def main(path: str) -> None:
             case = make(dtype=dtype)
             for measure, kw in SETTINGS.items():
                 for rho in (0.01, 0.05):
-                    for extra in ({}, {"starts": 2}, {"kind": "average", "n_samples": 3}):
+                    for extra, estimator in ESTIMATORS.items():
                         value = geosharp.sharpness(
-                            case.model, case.batches, case.loss_fn, rho=rho, n_iters=20,
-                            **kw, **extra,
+                            case.model, case.batches, case.loss_fn,
+                            geosharp.Geometry.named(**kw), rho=rho, estimator=estimator,
                         ).value  # fmt: skip
-                        key = f"{dtype}|{name}|{measure}|{rho}|{sorted(extra.items())}"
-                        out[key] = value
+                        out[f"{dtype}|{name}|{measure}|{rho}|{extra}"] = value
     for name, arch in ARCHITECTURES.items():
         case = arch.case()
         for measure in ("adaptive", "geodesic-inv", "geodesic-mix"):
             value = geosharp.sharpness(
-                case.model, case.batches, case.loss_fn, measure, rho=0.05, n_iters=10
+                case.model,
+                case.batches,
+                case.loss_fn,
+                measure,
+                rho=0.05,
+                estimator=geosharp.WorstCase(n_iters=10),
             ).value
             out[f"{torch.float64}|{name}|{measure}|0.05|architectures"] = value
     Path(path).write_text(json.dumps(out, indent=0))

@@ -162,3 +162,13 @@ def test_measure_per_layer_with_plot(bert_dir, text_csv, tmp_path, capsys):
     assert "--per layer" in capsys.readouterr().err
     assert main([*args, "--measures", "hessian-trace-inv"]) == 2
     assert "drop hessian-trace-inv" in capsys.readouterr().err
+
+
+def test_study_commands_without_the_studies_package_say_how_to_install(monkeypatch, capsys):
+    import geosharp.cli
+
+    monkeypatch.setattr(geosharp.cli, "plugins", list)
+    assert geosharp.cli.build_parser().commands == {"demo", "measure", "symmetries"}
+    assert geosharp.cli.main(["zoo", "train"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install -e studies/" in err

@@ -2,8 +2,10 @@
 
 Layers, bottom to top: helpers (``errors``, ``io``, ``layout``, ``params``, ``progress``,
 ``distributed``, ``options``) -> ``symmetry`` -> ``geometry`` -> ``measures`` -> the
-rest (models, studies, monitor, callbacks, commands, cli). Imports inside functions
-count too: a lazy import is still a dependency.
+rest (models, monitor, callbacks, plots, commands, cli) -> the research studies, a package
+of their own (``studies/``, tested in ``studies/tests/test_study_layers.py``), which the
+core never imports. Imports inside functions count too: a lazy import is still a
+dependency.
 """
 
 from __future__ import annotations
@@ -88,3 +90,20 @@ def test_no_module_imports_a_layer_above_it():
         if layer(b) > layer(a) and not (layer(a) == 4 or a == "geosharp")
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_core_never_imports_the_studies():
+    """Not even lazily, nor by a module name in a string: the core installs and runs
+    without them (their commands join the CLI through an entry point)."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            found += [f"{path.name}: {n}" for n in names if n.startswith("geosharp_studies")]
+    assert not found, found

@@ -79,38 +79,6 @@ def test_minilm_random_head_is_seeded_and_said(tmp_path, capsys):
     assert first["new_parameters"] == ["classifier.bias", "classifier.weight"]
 
 
-def test_zoo_refuses_a_folder_of_another_preset(tmp_path, capsys):
-    from dataclasses import asdict, replace
-
-    from geosharp.io import write_json_atomic
-    from geosharp.studies.zoo import PRESETS, check_preset
-
-    smoke = PRESETS[("vision", "smoke")]
-    write_json_atomic(tmp_path / "vision" / "preset.json", asdict(smoke))
-    code = main(["zoo", "train", "--preset", "full", "--out", str(tmp_path)])
-    line = _one_line_error(capsys, code)
-    assert "other settings" in line and "n_points" in line
-    assert not (tmp_path / "vision" / "models").exists()  # nothing trained
-    check_preset(smoke, tmp_path)  # the same preset passes
-    check_preset(replace(smoke, n_models=9), tmp_path)  # adding models is allowed
-    with pytest.raises(UsageError, match="n_iters"):
-        check_preset(replace(smoke, n_iters=7), tmp_path)
-    # a zoo made before a setting existed: the setting at its default matches
-    older = {k: v for k, v in asdict(smoke).items() if k not in ("secondary", "target")}
-    write_json_atomic(tmp_path / "vision" / "preset.json", older)
-    check_preset(smoke, tmp_path)
-    with pytest.raises(UsageError, match="target"):
-        check_preset(replace(smoke, target=0.5), tmp_path)
-    # what is measured may grow, never change or shrink
-    check_preset(replace(smoke, secondary={"adaptive-attn": "adaptive"}), tmp_path)
-    more = (*smoke.measures, "euclidean")
-    check_preset(replace(smoke, measures=more, rho_factors=(0.5, 2.0, 4.0)), tmp_path)
-    with pytest.raises(UsageError, match="measures"):
-        check_preset(replace(smoke, measures=smoke.measures[1:]), tmp_path)
-    with pytest.raises(UsageError, match="rho_factors"):
-        check_preset(replace(smoke, rho_factors={m: (0.5, 2.0) for m in smoke.measures}), tmp_path)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_are_measured_in_float32(dtype):
     case = vit_case(torch.float32)
@@ -305,18 +273,7 @@ def _bad_inputs(bert, vit, csv, tmp):
         "tokenizer missing": ([*m, "--tokenizer", str(tmp / "nope")], "--tokenizer"),
         "unknown column": ([*m, "--text-column", "review"], "no column 'review'"),
         "demo cond": (["demo", "--cond", "0.5"], "--cond"),
-        "zoo n-models": (["zoo", "train", "--n-models", "0"], "--n-models"),
-        "study paper missing": (
-            ["study", "paper", "bert", "--checkpoints", str(tmp / "no"), "--data", str(csv)],
-            "no such file",
-        ),
         "unknown command": (["sharpen"], "invalid choice"),
-        "zoo report of nothing": (["zoo", "report", "--out", str(tmp / "z")], "at least 2"),
-        "diagonal one network": (["study", "diagonal", "--networks", "1"], "--networks"),
-        "diagonal batch too big": (
-            ["study", "diagonal", "--smoke", "--batch-sizes", "100000"],
-            "--batch-sizes",
-        ),
     }
 
 
@@ -376,21 +333,6 @@ def test_nonfinite_value_is_inf_with_its_reason_and_json_stays_strict(
     row = json.loads(text)["results"][0]
     assert row["value"] is None and row["per_batch"] == [None]
     assert "Auto-PGD step" in row["nonfinite"][0]
-
-
-def test_study_needing_matplotlib_says_so_before_computing(monkeypatch, tmp_path, capsys):
-    import sys
-
-    import geosharp.studies.diagonal as diagonal
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(diagonal, "run_study", lambda *a, **k: pytest.fail("computed first"))
-    line = _one_line_error(capsys, main(["study", "diagonal", "--smoke", "--out", str(tmp_path)]))
-    assert "matplotlib" in line and "--no-plots" in line
-    line = _one_line_error(capsys, main(["study", "toy", "--out", str(tmp_path)]))
-    assert "matplotlib" in line
-    line = _one_line_error(capsys, main(["zoo", "all", "--out", str(tmp_path)]))
-    assert "matplotlib" in line and not (tmp_path / "vision").exists()
 
 
 # --------------------------------------------------------------------------- API checks
@@ -841,27 +783,11 @@ def test_killed_run_resumes_without_measuring_again(bert_dir, text_csv, tmp_path
         (["measure"], "--text-column"),
         (["symmetries"], "--no-check"),
         (["demo"], "--cond"),
-        (["study", "diagonal"], "--networks"),
-        (["study", "toy"], "--lim"),
-        (["study", "paper"], "--checkpoints"),
-        (["study", "pilot"], "--factors"),
-        (["zoo"], "--preset"),
     ],
 )
 def test_every_command_shows_its_options(argv, option, capsys):
     assert main([*argv, "--help"]) == 0
     assert option in capsys.readouterr().out
-
-
-def test_shared_options_have_one_default():
-    from geosharp.cli import build_parser
-
-    parser = build_parser()
-    defaults = {}
-    for argv in (["measure", "m", "--data", "d"], ["zoo", "train"], ["study", "paper", "bert"]):
-        args, _ = parser.parse_known_args([*argv, "--checkpoints", "c", "--data", "d"])
-        defaults[argv[0]] = (args.device, getattr(args, "seed", 0))
-    assert set(defaults.values()) == {("auto", 0)}
 
 
 def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
@@ -887,22 +813,6 @@ def test_out_of_memory_is_one_line(monkeypatch, bert_dir, text_csv, capsys):
     code = main(["measure", str(bert_dir), "--data", str(text_csv)])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "--batch-size" in err
-
-
-def test_zoo_seed_noise_is_checked_before_any_work(tmp_path, capsys):
-    """--seed-noise: only for a star-design report, and a file with the gap's spread."""
-    from geosharp.io import write_json_atomic
-
-    out = ["--out", str(tmp_path)]
-    code = main(["zoo", "report", "--preset", "smoke", *out, "--seed-noise", "x.json"])
-    assert "star-design" in _one_line_error(capsys, code)
-    hparams = ["zoo", "report", "--zoo", "text", "--preset", "hparams", *out]
-    code = main([*hparams, "--seed-noise", str(tmp_path / "missing.json")])
-    assert "missing.json" in _one_line_error(capsys, code)
-    write_json_atomic(tmp_path / "e.json", {"spread": {"error_gap": {"sd": -1}}})
-    code = main([*hparams, "--seed-noise", str(tmp_path / "e.json")])
-    assert "not a number >= 0" in _one_line_error(capsys, code)
-    assert not (tmp_path / "text").exists()  # nothing was started
 
 
 @pytest.mark.parametrize("per", [[], ["--per", "layer"]])

@@ -1,6 +1,8 @@
 """Command-line interface: one tree of commands, every option shown by ``--help``.
 
-``geosharp demo | measure | symmetries | study {diagonal,toy,paper} | zoo``. A user error
+``geosharp demo | measure | symmetries``, and the commands other installed packages add
+through the entry-point group ``geosharp.commands`` (the research studies of the repository,
+``studies/``, add ``study`` and ``zoo``). A user error
 (bad argument, missing file, data that does not fit the model) prints one line
 ``geosharp: error: ...`` naming the problem and the fix, and exits with status 2;
 ``--debug`` shows the traceback instead. Any other exception is a bug and is raised.
@@ -9,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
@@ -20,15 +21,11 @@ from .options import Parser, add_json, add_seed, at_least_one, positive_int
 
 __all__ = ["build_parser", "main"]
 
-# `geosharp study NAME` and `geosharp zoo`: modules with DESCRIPTION, add_arguments(parser)
-# and run(args).
-STUDIES = {
-    "diagonal": "geosharp.studies.diagonal",
-    "toy": "geosharp.studies.toy",
-    "paper": "geosharp.studies.paper",
-    "pilot": "geosharp.studies.pilot",
-}
-ZOO = "geosharp.studies.zoo"
+# Commands of other packages: each entry point is a function register(command) that adds
+# its parsers through command(name, help, description) and sets `run` on them.
+PLUGIN_GROUP = "geosharp.commands"
+# Where the repository's own plug-in commands come from, for the error when it is missing.
+KNOWN_PLUGINS = {"study": "studies/", "zoo": "studies/"}
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -51,11 +48,11 @@ def _run_symmetries(args: argparse.Namespace) -> int:
     return run_symmetries(args)
 
 
-def _module_runner(module_name: str):
-    def run(args: argparse.Namespace) -> int:
-        return int(importlib.import_module(module_name).run(args) or 0)
+def plugins() -> list:
+    """The installed entry points of :data:`PLUGIN_GROUP`, by name."""
+    from importlib.metadata import entry_points
 
-    return run
+    return sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,26 +92,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_symmetries_arguments(symmetries)
     symmetries.set_defaults(run=_run_symmetries)
 
-    study = command("study", "run a study: " + ", ".join(STUDIES))
-    studies = study.add_subparsers(dest="study", required=True, metavar="STUDY")
-    for name, module_name in STUDIES.items():
-        module = importlib.import_module(module_name)
-        p = studies.add_parser(name, help=module.DESCRIPTION, description=module.DESCRIPTION)
-        module.add_arguments(p)
-        p.set_defaults(run=_module_runner(module_name))
-
-    zoo_module = importlib.import_module(ZOO)
-    zoo = command("zoo", "model zoos: train | measure | report | all", zoo_module.DESCRIPTION)
-    zoo_module.add_arguments(zoo)
-    zoo.set_defaults(run=_module_runner(ZOO))
+    for plugin in plugins():
+        plugin.load()(command)
+    parser.commands = set(sub.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    missing = [a for a in argv[:1] if a in KNOWN_PLUGINS and a not in parser.commands]
+    if missing:
+        print(
+            f"geosharp: error: '{missing[0]}' is a command of the research studies: "
+            f"pip install -e {KNOWN_PLUGINS[missing[0]]} (from a clone of the repository)",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        args = build_parser().parse_args([a for a in argv if a != "--debug"])
+        args = parser.parse_args(argv)
     except SystemExit as exit:  # --help (0) or a bad option (2, message printed)
         return int(exit.code or 0)
     try:

@@ -525,7 +525,7 @@ def run_measure(args) -> int:
             what = "--per" if args.per else next(n for n in names if n in HESSIAN_TRACES)
             raise UsageError(f"{what} is not available with --fsdp: drop one of them")
     if args.plot:
-        from .studies.figures import check_figure_path, require_matplotlib
+        from .plots import check_figure_path, require_matplotlib
 
         check_output_path(args.plot, "--plot", protected=inputs, force=args.force)
         require_matplotlib()
@@ -748,7 +748,7 @@ def plot_blocks(results: list[dict], path: str, title: str) -> None:
     """A bar per block, one colour per measure (log scale when every value is
     positive and finite)."""
 
-    from .studies.figures import require_matplotlib, save_png
+    from .plots import require_matplotlib, save_png
 
     require_matplotlib()
     import matplotlib.pyplot as plt

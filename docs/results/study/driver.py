@@ -30,10 +30,10 @@ import torch
 
 from geosharp import distributed as gd
 from geosharp.io import write_text_atomic
-from geosharp.studies.zoo.measure import measure_zoo
-from geosharp.studies.zoo.presets import get_preset
-from geosharp.studies.zoo.store import missing
-from geosharp.studies.zoo.train import train_zoo
+from geosharp_studies.zoo.measure import measure_zoo
+from geosharp_studies.zoo.presets import get_preset
+from geosharp_studies.zoo.store import missing
+from geosharp_studies.zoo.train import train_zoo
 
 NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "seeds")
 OUT = Path("runs") / NAME

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from geosharp.io import write_json_atomic
-from geosharp.studies.endpoints import Protocol, pooled_difference
-from geosharp.studies.zoo.report import rows_from_table
+from geosharp_studies.endpoints import Protocol, pooled_difference
+from geosharp_studies.zoo.report import rows_from_table
 
 HERE = Path(__file__).parent
 POPULATIONS = ("seeds", "vision-finetune", "hparams")
