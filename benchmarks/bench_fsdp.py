@@ -124,9 +124,9 @@ def child(args) -> None:
             loss_fn,
             args.mode,
             rho=MEASURES[args.mode],
-            n_iters=args.n_iters,
             low_memory=args.low_memory,
             callback=callback,
+            estimator=geosharp.WorstCase(n_iters=args.n_iters),
         )
         steps = [b - a for a, b in itertools.pairwise(starts)]
         record["step"] = statistics.median(steps)

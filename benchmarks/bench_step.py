@@ -76,7 +76,13 @@ def main() -> None:
     def run(name, n) -> float:
         start = time.perf_counter()
         geosharp.sharpness(
-            model, [batch], loss_fn, measure=name, rho=1e-3, n_iters=n, symmetries=symmetries
+            model,
+            [batch],
+            loss_fn,
+            measure=name,
+            rho=0.001,
+            symmetries=symmetries,
+            estimator=geosharp.WorstCase(n_iters=n),
         )
         return time.perf_counter() - start
 

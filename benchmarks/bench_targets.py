@@ -146,12 +146,12 @@ def time_steps(args, device, autocast_dtype) -> dict:
             [batch],
             loss_fn,
             rho=RHO[kw],
-            n_iters=n,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=kw,
             callback=count,
             low_memory=args.low_memory,
+            estimator=geosharp.WorstCase(n_iters=n),
         )
         sync(device)
         return time.perf_counter() - start
@@ -226,10 +226,10 @@ def time_overhead(args, device, autocast_dtype) -> dict:
                     loss_fn,
                     measure=kw,
                     rho=RHO[kw],
-                    n_iters=n,
                     symmetries=symmetries,
                     autocast_dtype=autocast_dtype,
                     callback=callback,
+                    estimator=geosharp.WorstCase(n_iters=n),
                 )
                 outside[n] = spent["loop"] - spent["model"]
             gap = args.n_long - args.n_short
@@ -364,11 +364,11 @@ def memory_child(mode: str, args) -> dict:
             [batch],
             loss_fn,
             rho=RHO[mode],
-            n_iters=3,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=mode,
             low_memory=args.low_memory,
+            estimator=geosharp.WorstCase(n_iters=3),
         )
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
@@ -421,11 +421,11 @@ def measure_memory_cuda(args, device) -> dict:
                 [batch],
                 loss_fn,
                 rho=RHO[mode],
-                n_iters=3,
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
                 measure=mode,
                 low_memory=args.low_memory,
+                estimator=geosharp.WorstCase(n_iters=3),
             )
         torch.cuda.synchronize(device)
         out[mode] = {
@@ -487,10 +487,10 @@ def profile(args, device, autocast_dtype) -> None:
             [batch],
             loss_fn,
             rho=RHO[kw],
-            n_iters=2,
             symmetries=symmetries,
             autocast_dtype=autocast_dtype,
             measure=kw,
+            estimator=geosharp.WorstCase(n_iters=2),
         )
         with torch_profile(activities=activities) as prof:
             geosharp.sharpness(
@@ -498,11 +498,11 @@ def profile(args, device, autocast_dtype) -> None:
                 [batch],
                 loss_fn,
                 rho=RHO[kw],
-                n_iters=args.n_long,
                 symmetries=symmetries,
                 autocast_dtype=autocast_dtype,
                 measure=kw,
                 callback=callback,
+                estimator=geosharp.WorstCase(n_iters=args.n_long),
             )
         print(f"\n== profile: {kw}, {args.n_long} steps ==")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"

@@ -53,8 +53,8 @@ def main() -> None:
 
         dist.all_reduce = counting
         try:
-            geosharp.sharpness(model, [batch], loss_fn, measure, rho=rho, n_iters=6,
-                               callback=callback)  # fmt: skip
+            estimator = geosharp.WorstCase(n_iters=6)
+            geosharp.sharpness(model, [batch], loss_fn, measure, rho, estimator, callback=callback)
         finally:
             dist.all_reduce = original
         # the calls between two steps: one step's update, retraction, pullback and loss

@@ -51,9 +51,9 @@ def loss_fn(model, batch):
 
 
 CASES = {
-    "worst": dict(n_iters=4),
-    "worst-random": dict(n_iters=3, random_start=True, seed=3),
-    "average": dict(kind="average", n_samples=3, seed=5),
+    "worst": dict(estimator=geosharp.WorstCase(n_iters=4)),
+    "worst-random": dict(estimator=geosharp.WorstCase(n_iters=3, starts="random"), seed=3),
+    "average": dict(estimator=geosharp.AverageCase(n_samples=3), seed=5),
 }
 MEASURES = {
     "adaptive": 0.05,
@@ -87,11 +87,20 @@ def errors():
     fully_shard(model)
     for key, kw in {"no symmetries": {}, "split rows": {"symmetries": symmetries}}.items():
         try:
-            geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", n_iters=1, **kw)
+            geosharp.sharpness(
+                model,
+                batches,
+                loss_fn,
+                "geodesic-inv",
+                **kw,
+                estimator=geosharp.WorstCase(n_iters=1),
+            )
             out[key] = None
         except geosharp.UsageError as e:
             out[key] = str(e)
-    adaptive = geosharp.sharpness(model, batches, loss_fn, "adaptive", n_iters=2)
+    adaptive = geosharp.sharpness(
+        model, batches, loss_fn, "adaptive", estimator=geosharp.WorstCase(n_iters=2)
+    )
     out["adaptive needs no pairs"] = adaptive.value
     # FSDP2's default plan keeps whole rows when the heads divide over the processes
     model, batches = bert(torch.float64, heads=4)
@@ -100,13 +109,13 @@ def errors():
     for layer in model.bert.encoder.layer:
         fully_shard(layer)
     fully_shard(model)
-    kw = dict(rho=0.05, n_iters=3, symmetries=symmetries)
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=3), symmetries=symmetries)
     out["default plan"] = [
         geosharp.sharpness(m, batches, loss_fn, "geodesic-inv", **kw).value for m in (plain, model)
     ]
     for key, call in {
         "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
-        "per": lambda: geosharp.sharpness(model, batches, loss_fn, "adaptive", per="layer"),
+        "per": lambda: geosharp.block_sharpness(model, batches, loss_fn, "adaptive", per="layer"),
     }.items():
         try:
             call()

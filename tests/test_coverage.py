@@ -152,7 +152,7 @@ def test_readme_counts_are_the_tables():
 
 
 def test_docs_numbers_are_the_benchmarks():
-    """The measured numbers of ``docs/architectures.md`` and the README are those of
+    """The measured numbers of ``docs/architectures.md`` and ``docs/symmetries.md`` are those of
     ``docs/results/discovery/bench.json`` (``python benchmarks/bench_discovery.py``)."""
     import json
     import re
@@ -162,7 +162,7 @@ def test_docs_numbers_are_the_benchmarks():
     bench = json.loads((root / "docs/results/discovery/bench.json").read_text())
     rows = bench["families"]
     docs = (root / "docs/architectures.md").read_text()
-    readme = (root / "README.md").read_text()
+    summary = (root / "docs/symmetries.md").read_text()
     assert len(rows) == len(FAMILIES) and all(r["not_understood"] == 0 for r in rows)
     f64 = max(r["worst_check"] or 0 for r in rows if not BY_NAME[r["family"]].why)
     f32 = max(r["worst_check"] or 0 for r in rows if BY_NAME[r["family"]].why)
@@ -177,4 +177,4 @@ def test_docs_numbers_are_the_benchmarks():
     claim = f"{meta['pair_blocks']} pair blocks"
     seconds = f"{min(meta['seconds']):.1f} s"
     assert f"{claim}, {meta['pairs']:,} key/value-head" in docs and f"in {seconds}" in docs
-    assert re.search(rf"{claim} in {re.escape(seconds)}", readme)
+    assert re.search(rf"{claim} in {re.escape(seconds)}", summary)

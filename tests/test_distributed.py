@@ -38,11 +38,11 @@ WORKER = textwrap.dedent(
     case = encoder_case(dtype=torch.float64)
     batches = [case.batches[i % len(case.batches)] for i in range(5)]
     settings = {
-        "worst": dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=4),
-        "worst-random": dict(geometry="adaptive", rho=0.05, n_iters=3, random_start=True,
-                             seed=3),
-        "average": dict(geometry="geodesic", metric="mix", rho=0.01, kind="average",
-                        n_samples=2, seed=5),
+        "worst": dict(measure="geodesic-inv", rho=0.05, estimator=geosharp.WorstCase(4)),
+        "worst-random": dict(measure="adaptive", rho=0.05, seed=3,
+                             estimator=geosharp.WorstCase(3, starts="random")),
+        "average": dict(measure="geodesic-mix", rho=0.01, seed=5,
+                        estimator=geosharp.AverageCase(n_samples=2)),
     }
     results = {
         name: geosharp.sharpness(case.model, batches, case.loss_fn,
@@ -53,7 +53,7 @@ WORKER = textwrap.dedent(
     def measure(seed):
         model = encoder_case(dtype=torch.float64, seed=seed)
         r = geosharp.sharpness(model.model, model.batches[:1], model.loss_fn,
-                               geometry="geodesic", metric="mix", rho=0.01, n_iters=3)
+                               "geodesic-mix", 0.01, geosharp.WorstCase(n_iters=3))
         return {"seed": seed, "rank": None, **r.to_dict()}
 
     population = gd.map_population([0, 1, 2, 3], measure, out=sys.argv[1] + "/population.json")
@@ -102,10 +102,9 @@ def test_single_process_file_matches_plain_sharpness(runs):
             case.model,
             batches,
             case.loss_fn,
-            geometry="geodesic",
-            metric="inv",
+            geosharp.Geometry.named("geodesic", metric="inv"),
             rho=0.05,
-            n_iters=4,
+            estimator=geosharp.WorstCase(n_iters=4),
         )
     stored = json.loads((runs[1] / "batches.json").read_text())["worst"]
     assert stored["per_batch"] == pytest.approx(r.per_batch, rel=1e-12)

@@ -52,7 +52,8 @@ def test_every_documented_command_parses(where, argv):
 
 
 def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, capsys, monkeypatch):
-    """The README's `measure` and `symmetries` lines, run as written on the tiny BERT
+    """The `measure` and `symmetries` lines of the README and the CLI guide, run as
+    written on the tiny BERT
     (and ViT for the image folder), with their files made to fit and a budget added."""
     import csv
 
@@ -78,7 +79,7 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
     Path("texts.txt").write_text("\n".join(r["text"] for r in rows) + "\n")
     budget = ["--n-points", "8", "--batch-size", "8", "--n-iters", "1", "--quiet"]
     ran = 0
-    for argv in _commands(ROOT / "README.md"):
+    for argv in _commands(ROOT / "README.md") + _commands(ROOT / "docs" / "cli.md"):
         placeholder = {"CHECKPOINT_DIR", "LM_DIR"} & set(argv)
         if argv[0] not in ("measure", "symmetries") or not placeholder or "..." in argv:
             continue
@@ -87,4 +88,4 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
         assert main([*argv, *(budget if argv[0] == "measure" else [])]) == 0, argv
         ran += 1
     capsys.readouterr()
-    assert ran == 6 and json.loads(Path("out.json").read_text())["complete"] is True
+    assert ran == 8 and json.loads(Path("out.json").read_text())["complete"] is True

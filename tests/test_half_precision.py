@@ -54,9 +54,16 @@ def test_a_module_with_submodules_and_perturbed_weights_is_measured_all_in_float
     def loss(m, b):
         return torch.nn.functional.cross_entropy(m(b[0].to(m[2].weight.dtype)).float(), b[1])
 
-    low = geosharp.sharpness(half, [(x, y)], loss, "adaptive", 0.1, n_iters=3)
+    low = geosharp.sharpness(
+        half, [(x, y)], loss, "adaptive", 0.1, estimator=geosharp.WorstCase(n_iters=3)
+    )
     ref = geosharp.sharpness(
-        copy.deepcopy(half).float(), [(x, y)], loss, "adaptive", 0.1, n_iters=3
+        copy.deepcopy(half).float(),
+        [(x, y)],
+        loss,
+        "adaptive",
+        0.1,
+        estimator=geosharp.WorstCase(n_iters=3),
     )
     assert low.settings["precision"] == "float32"
     assert low.value == pytest.approx(ref.value, rel=1e-5)

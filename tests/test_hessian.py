@@ -14,7 +14,7 @@ import geosharp
 from geosharp import Geometry, PerturbationSpace, find_symmetries
 from geosharp.layout import ParameterLayout
 from geosharp.measures.hessian import hessian_trace
-from geosharp.measures.sharpness import _batch_seed
+from geosharp.measures.problem import batch_seed
 from zoo import EncoderClassifier, encoder_case
 
 MEASURES = ["euclidean", "adaptive", "geodesic-inv", "geodesic-mix", "geodesic-curvature-only-inv"]
@@ -85,7 +85,7 @@ def test_each_probe_is_the_dense_quadratic_form(measure, probe_batch):
         model, batches, loss_fn, measure, n_probes=4, seed=3, probe_batch=probe_batch
     )
     for k, value in enumerate(result.per_probe):
-        z = space.random(torch.Generator().manual_seed(_batch_seed(3, k)))
+        z = space.random(torch.Generator().manual_seed(batch_seed(3, k)))
         assert value == pytest.approx(float(z @ K @ z), rel=1e-9, abs=1e-12)
 
 
@@ -159,3 +159,5 @@ def test_model_untouched_and_user_errors():
         hessian_trace(model, batches, loss_fn, "adaptive-linf")
     with pytest.raises(TypeError, match="n_iters"):
         hessian_trace(model, batches, loss_fn, n_iters=3)
+    with pytest.raises(TypeError, match=r"measure=Geometry.named\('geodesic', metric='mix'\)"):
+        hessian_trace(model, batches, loss_fn, metric="mix")

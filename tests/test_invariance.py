@@ -54,7 +54,7 @@ def test_self_check_passes(case_and_twin):
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_geodesic_sharpness_is_invariant(case_and_twin, metric):
     case, twin = case_and_twin
-    kwargs = dict(geometry="geodesic", metric=metric, rho=RHO[metric], n_iters=10)
+    kwargs = dict(measure=f"geodesic-{metric}", rho=RHO[metric], estimator=geosharp.WorstCase(10))
     a = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kwargs).value
     b = geosharp.sharpness(twin, case.batches, case.loss_fn, **kwargs).value
     assert a > 1e-4, "the measure should see some sharpness"
@@ -63,7 +63,7 @@ def test_geodesic_sharpness_is_invariant(case_and_twin, metric):
 
 def test_adaptive_sharpness_is_not_invariant(case_and_twin):
     case, twin = case_and_twin
-    kwargs = dict(geometry="adaptive", rho=RHO["adaptive"], n_iters=10)
+    kwargs = dict(measure="adaptive", rho=RHO["adaptive"], estimator=geosharp.WorstCase(10))
     a = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kwargs).value
     b = geosharp.sharpness(twin, case.batches, case.loss_fn, **kwargs).value
     assert abs(a - b) > 0.2 * abs(a), (a, b)
@@ -74,7 +74,9 @@ def test_average_case_geodesic_is_invariant(case_and_twin, metric):
     """Random directions are Gaussian in the metric: the transform maps the sample of
     one network onto the sample of the other (same generator), so the average agrees."""
     case, twin = case_and_twin
-    kwargs = dict(geometry="geodesic", metric=metric, rho=RHO[metric], kind="average", n_samples=4)
+    kwargs = dict(
+        measure=f"geodesic-{metric}", rho=RHO[metric], estimator=geosharp.AverageCase(n_samples=4)
+    )
     a = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kwargs)
     b = geosharp.sharpness(twin, case.batches, case.loss_fn, **kwargs)
     scale = max(abs(v) for v in a.per_batch) + 1e-3 * a.loss

@@ -67,14 +67,11 @@ def test_model_bit_identical_after_measure(bert, geometry, metric, p, kind):
         bert.model,
         bert.batches,
         bert.loss_fn,
-        geometry=geometry,
-        metric=metric,
-        p=p,
+        geosharp.Geometry.named(geometry, metric=metric, p=p),
         rho=0.02,
-        kind=kind,
-        n_iters=3,
-        n_samples=2,
-        random_start=True,
+        estimator=geosharp.WorstCase(n_iters=3, starts="random")
+        if kind == "worst"
+        else geosharp.AverageCase(n_samples=2),
     )
     assert math.isfinite(result.value)
     assert_same(bert.model, snap)
@@ -91,7 +88,13 @@ def test_model_bit_identical_after_exception_mid_way(bert):
         return bert.loss_fn(model, batch)
 
     with pytest.raises(RuntimeError, match="boom"):
-        geosharp.sharpness(bert.model, bert.batches, failing_loss, rho=0.05, n_iters=5)
+        geosharp.sharpness(
+            bert.model,
+            bert.batches,
+            failing_loss,
+            rho=0.05,
+            estimator=geosharp.WorstCase(n_iters=5),
+        )
     assert calls["n"] == 3
     assert_same(bert.model, snap)
 
@@ -103,7 +106,9 @@ def test_dropout_is_off_during_the_measure(bert):
         seen.append(model.training)
         return bert.loss_fn(model, batch)
 
-    geosharp.sharpness(bert.model, bert.batches[:1], loss_fn, rho=0.01, n_iters=2)
+    geosharp.sharpness(
+        bert.model, bert.batches[:1], loss_fn, rho=0.01, estimator=geosharp.WorstCase(n_iters=2)
+    )
     assert seen and not any(seen)
     assert bert.model.training
 
@@ -224,11 +229,23 @@ def test_model_without_parameters():
 
 def test_unknown_names(small):
     with pytest.raises(ValueError, match="unknown geometry 'sharp'"):
-        geosharp.sharpness(small.model, small.batches, small.loss_fn, geometry="sharp")
+        geosharp.sharpness(
+            small.model, small.batches, small.loss_fn, geosharp.Geometry.named("sharp")
+        )
     with pytest.raises(ValueError, match="unknown metric"):
-        geosharp.sharpness(small.model, small.batches, small.loss_fn, metric="euclid")
+        geosharp.sharpness(
+            small.model,
+            small.batches,
+            small.loss_fn,
+            geosharp.Geometry.named("geodesic", metric="euclid"),
+        )
     with pytest.raises(ValueError, match="L-infinity ball is defined for 'adaptive' only"):
-        geosharp.sharpness(small.model, small.batches, small.loss_fn, p=float("inf"))
+        geosharp.sharpness(
+            small.model,
+            small.batches,
+            small.loss_fn,
+            geosharp.Geometry.named("geodesic", p=float("inf")),
+        )
     with pytest.raises(ValueError, match="unknown parameter names"):
         geosharp.sharpness(small.model, small.batches, small.loss_fn, parameters=["nope"])
     with pytest.raises(ValueError, match="unknown measure"):
@@ -259,13 +276,20 @@ def test_auto_pgd_reaches_the_linear_optimum(seed):
     theta, a = model.theta.detach(), model.a
 
     def measure(**kw):
-        return geosharp.sharpness(model, [None], lambda m, b: m(b), rho=0.1, n_iters=10, **kw).value
+        return geosharp.sharpness(
+            model,
+            [None],
+            lambda m, b: m(b),
+            rho=0.1,
+            **kw,
+            estimator=geosharp.WorstCase(n_iters=10),
+        ).value
 
-    assert measure(geometry="adaptive") == pytest.approx(0.1 * float((a * theta).norm()), rel=1e-6)
-    assert measure(geometry="adaptive", p=float("inf")) == pytest.approx(
+    assert measure(measure="adaptive") == pytest.approx(0.1 * float((a * theta).norm()), rel=1e-6)
+    assert measure(measure="adaptive-linf") == pytest.approx(
         0.1 * float((a * theta).abs().sum()), rel=1e-6
     )
-    assert measure(geometry="euclidean") == pytest.approx(0.1 * float(a.norm()), rel=1e-6)
+    assert measure(measure="euclidean") == pytest.approx(0.1 * float(a.norm()), rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +345,7 @@ def test_checkpoint_schedule():
 
 
 def test_seeded_and_reproducible(small):
-    kw = dict(rho=0.05, n_iters=4, random_start=True, seed=3)
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=4, starts="random"), seed=3)
     state = torch.random.get_rng_state()
     a = geosharp.sharpness(small.model, small.batches, small.loss_fn, **kw)
     assert torch.equal(torch.random.get_rng_state(), state)  # global RNG untouched
@@ -332,7 +356,9 @@ def test_seeded_and_reproducible(small):
 
 
 def test_result_fields_and_json(small):
-    r = geosharp.sharpness(small.model, small.batches, small.loss_fn, rho=0.05, n_iters=3)
+    r = geosharp.sharpness(
+        small.model, small.batches, small.loss_fn, rho=0.05, estimator=geosharp.WorstCase(n_iters=3)
+    )
     assert len(r.per_batch) == len(small.batches) == len(r.traces)
     assert r.value == pytest.approx(sum(r.per_batch) / len(r.per_batch))
     assert r.value >= 0  # deterministic start: the unperturbed point is a candidate
@@ -345,17 +371,21 @@ def test_frozen_parameters_are_not_perturbed(small):
     model = copy.deepcopy(small.model)
     for p in model.encoder.parameters():
         p.requires_grad_(False)
-    r = geosharp.sharpness(model, small.batches, small.loss_fn, rho=0.05, n_iters=3)
+    r = geosharp.sharpness(
+        model, small.batches, small.loss_fn, rho=0.05, estimator=geosharp.WorstCase(n_iters=3)
+    )
     assert r.settings["n_pairs"] == 0  # every pair has a frozen member
     assert r.value > 0  # the head still moves
 
 
 def test_several_starts_keep_the_best_and_each_start_s_value(small):
-    kwargs = dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=4, seed=3)
-    run = lambda **k: geosharp.sharpness(small.model, small.batches, small.loss_fn, **kwargs, **k)  # noqa: E731
+    def run(starts="zero"):
+        estimator = geosharp.WorstCase(n_iters=4, starts=starts)
+        args = (small.model, small.batches, small.loss_fn)
+        return geosharp.sharpness(*args, "geodesic-inv", 0.05, estimator, seed=3)
+
     zero, one = run(), run(starts=1)
     assert zero.per_batch == one.per_batch and one.per_batch_starts == []
-    assert run(starts="random").per_batch == run(random_start=True).per_batch
     three = run(starts=3)
     assert len(three.per_batch_starts) == len(small.batches)
     for best, starts, first in zip(three.per_batch, three.per_batch_starts, zero.per_batch):
@@ -365,8 +395,6 @@ def test_several_starts_keep_the_best_and_each_start_s_value(small):
     for bad in (0, "two", True):
         with pytest.raises((ValueError, TypeError), match="starts"):
             run(starts=bad)
-    with pytest.raises(ValueError, match="starts alone"):
-        run(starts=2, random_start=True)
 
 
 def test_attention_only_measures_perturb_the_pairs_alone(small):
@@ -374,16 +402,12 @@ def test_attention_only_measures_perturb_the_pairs_alone(small):
     in_pairs = {n for pair in symmetries.pairs for n in pair.params}
     assert in_pairs and in_pairs != {n for n, _ in small.model.named_parameters()}
     for name in ("adaptive-attn", "geodesic-inv-attn", "geodesic-mix-attn"):
-        kwargs = measure_kwargs(name)
-        attn = geosharp.sharpness(
-            small.model, small.batches, small.loss_fn, n_iters=3, seed=0, **kwargs
-        )
-        explicit = dict(
-            kwargs, parameters=[n for n, _ in small.model.named_parameters() if n in in_pairs]
-        )
-        same = geosharp.sharpness(
-            small.model, small.batches, small.loss_fn, n_iters=3, seed=0, **explicit
-        )
+        args = (small.model, small.batches, small.loss_fn)
+        estimator = geosharp.WorstCase(n_iters=3)
+        attn = geosharp.sharpness(*args, name, estimator=estimator)
+        chosen = [n for n, _ in small.model.named_parameters() if n in in_pairs]
+        whole = name.removesuffix("-attn")
+        same = geosharp.sharpness(*args, whole, attn.rho, estimator, parameters=chosen)
         assert attn.value == same.value > 0 and attn.settings["parameters"] == "pairs"
         assert attn.rho == geosharp.DEFAULT_RHO[name]
     with pytest.raises(ValueError, match="no symmetric pairs"):
@@ -392,11 +416,19 @@ def test_attention_only_measures_perturb_the_pairs_alone(small):
         )
 
 
-def test_a_named_measure_is_its_keyword_arguments(small):
-    run = lambda **k: geosharp.sharpness(small.model, small.batches, small.loss_fn, n_iters=2, **k)  # noqa: E731
+def test_a_named_measure_is_its_geometry_and_parameters(small):
+    def run(**k):
+        estimator = geosharp.WorstCase(n_iters=2)
+        return geosharp.sharpness(
+            small.model, small.batches, small.loss_fn, **k, estimator=estimator
+        )
+
     for name in ("geodesic-mix", "adaptive-linf", "adaptive-attn"):
         named = run(measure=name)
-        assert named.value == run(**measure_kwargs(name)).value
+        kw = measure_kwargs(name)
+        parameters = kw.pop("parameters", None)
+        spelled = geosharp.Geometry.named(kw.pop("geometry"), **kw)
+        assert named.value == run(measure=spelled, parameters=parameters).value
         assert named.rho == geosharp.DEFAULT_RHO[name]
     with pytest.raises(ValueError, match="unknown measure"):
         run(measure="sharpest")
@@ -406,39 +438,40 @@ def test_a_named_measure_is_its_keyword_arguments(small):
 
 
 @pytest.mark.parametrize(
-    ("estimator", "flat"),
+    ("flat", "spelled"),
     [
-        (geosharp.WorstCase(n_iters=4, starts=2), dict(n_iters=4, starts=2)),
-        (geosharp.WorstCase(n_iters=3, starts="random"), dict(n_iters=3, random_start=True)),
-        (geosharp.AverageCase(n_samples=3), dict(kind="average", n_samples=3)),
+        (dict(n_iters=4, starts=2), "estimator=WorstCase(n_iters=4, starts=2)"),
+        (dict(n_iters=3, random_start=True), "estimator=WorstCase(n_iters=3, starts='random')"),
+        (dict(kind="average", n_samples=3), "estimator=AverageCase(n_samples=3)"),
+        (dict(geometry="adaptive", p=float("inf")), "Geometry.named('adaptive', p=float('inf'))"),
+        (
+            dict(metric="mix", n_iters=2),
+            "measure=Geometry.named('geodesic', metric='mix'), estimator=WorstCase(n_iters=2)",
+        ),
+        (dict(per="layer"), "block_sharpness(model, batches, loss_fn, ..., per='layer')"),
     ],
 )
-def test_estimator_objects_equal_the_flat_keywords(small, estimator, flat):
-    args = (small.model, small.batches, small.loss_fn)
-    new = geosharp.sharpness(*args, "geodesic-mix", 0.01, estimator, seed=2)
-    old = geosharp.sharpness(*args, geometry="geodesic", metric="mix", rho=0.01, seed=2, **flat)
-    assert new.per_batch == old.per_batch and new.kind == old.kind
-    assert new.settings["estimator"] == repr(estimator)
+def test_the_keywords_of_earlier_versions_name_their_spelling(small, flat, spelled):
+    with pytest.raises(TypeError) as info:
+        geosharp.sharpness(small.model, small.batches, small.loss_fn, **flat)
+    assert spelled in str(info.value)
 
 
-def test_a_geometry_object_or_a_name_or_the_flat_keywords(small):
+def test_a_geometry_object_or_a_name(small):
     args = (small.model, small.batches[:1], small.loss_fn)
     kw = dict(rho=0.02, estimator=geosharp.WorstCase(n_iters=3))
     by_name = geosharp.sharpness(*args, "geodesic-inv", **kw)
     by_object = geosharp.sharpness(*args, Geometry.named("geodesic", metric="inv"), **kw)
     by_default = geosharp.sharpness(*args, **kw)
-    flat = geosharp.sharpness(*args, geometry="geodesic", metric="inv", rho=0.02, n_iters=3)
-    assert by_name.per_batch == by_object.per_batch == by_default.per_batch == flat.per_batch
-    relaxed = geosharp.sharpness(*args, "geodesic-inv", eps=1e-3, **kw)
+    assert by_name.per_batch == by_object.per_batch == by_default.per_batch
+    relaxed = geosharp.sharpness(*args, Geometry.named("geodesic", eps=0.001), **kw)
     assert relaxed.settings["eps"] == 1e-3
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(estimator=geosharp.WorstCase(), n_iters=5), ValueError, "not both"),
-        (dict(measure="adaptive", geometry="geodesic"), ValueError, "drop geometry"),
-        (dict(measure=Geometry.named("adaptive"), eps=0.1), ValueError, "Geometry.named"),
+        (dict(estimator=geosharp.WorstCase(), n_iters=5), TypeError, r"WorstCase\(n_iters=5\)"),
         (dict(n_iter=5), TypeError, "unexpected keyword argument.*n_iter"),
         (dict(estimator="worst"), TypeError, "WorstCase"),
         (dict(measure=3), TypeError, "a name or a Geometry"),
@@ -482,12 +515,13 @@ def test_per_layer_and_module_sharpness(make):
         assert all(len({owner[n] for n in pair.params}) == 1 for pair in sym.pairs)
     moved = copy.deepcopy(case.model)
     geosharp.reparameterize(moved, sym, cond=10.0, seed=1)
+    blocks = geosharp.block_sharpness
     for per in ("layer", "head"):
         kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=4), per=per)
-        before = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
-        after = geosharp.sharpness(moved, case.batches, case.loss_fn, "geodesic-inv", **kw)
+        before = blocks(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
+        after = blocks(moved, case.batches, case.loss_fn, "geodesic-inv", **kw)
         adaptive = [
-            geosharp.sharpness(m, case.batches, case.loss_fn, "adaptive", **kw).values
+            blocks(m, case.batches, case.loss_fn, "adaptive", **kw).values
             for m in (case.model, moved)
         ]
         touched = [b for b, names in before.parameters.items() if set(names) & set(sym.parameters)]
@@ -496,19 +530,17 @@ def test_per_layer_and_module_sharpness(make):
             assert value > 0 and after.values[block] == pytest.approx(value, rel=1e-9), block
         assert any(adaptive[1][b] != pytest.approx(adaptive[0][b], rel=1e-3) for b in touched)
     kw["per"] = "layer"
-    layers = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
+    layers = blocks(case.model, case.batches, case.loss_fn, "geodesic-inv", **kw)
     first, names = next(iter(layers.parameters.items()))
-    alone = geosharp.sharpness(case.model, case.batches, case.loss_fn, "geodesic-inv",
-                               **{**kw, "per": None}, parameters=names)  # fmt: skip
+    del kw["per"]
+    alone = geosharp.sharpness(
+        case.model, case.batches, case.loss_fn, "geodesic-inv", **kw, parameters=names
+    )
     assert layers.values[first] == alone.value
     with pytest.raises(ValueError, match="drop parameters"):
-        geosharp.sharpness(
-            case.model, case.batches, case.loss_fn, "adaptive", **kw, parameters=names
-        )
+        blocks(case.model, case.batches, case.loss_fn, "adaptive", **kw, parameters=names)
     with pytest.raises(ValueError, match="per must be one of"):
-        geosharp.sharpness(
-            case.model, case.batches, case.loss_fn, "adaptive", **{**kw, "per": "row"}
-        )
+        blocks(case.model, case.batches, case.loss_fn, "adaptive", **kw, per="row")
 
 
 def test_precision_floor_is_reported_and_a_value_near_it_is_warned_about():

@@ -285,13 +285,20 @@ def test_one_forward_backward_per_step():
         return case.loss_fn(model, batch)
 
     for kw in (
-        dict(geometry="adaptive"),
-        dict(geometry="geodesic", metric="mix"),
-        dict(geometry="adaptive", p=float("inf")),
+        dict(measure="adaptive"),
+        dict(measure="geodesic-mix"),
+        dict(measure="adaptive-linf"),
     ):
         calls.clear()
-        geosharp.sharpness(case.model, case.batches, loss_fn, rho=0.01, n_iters=7, **kw)
-        discovery = 2 if kw["geometry"] == "geodesic" else 0
+        geosharp.sharpness(
+            case.model,
+            case.batches,
+            loss_fn,
+            rho=0.01,
+            **kw,
+            estimator=geosharp.WorstCase(n_iters=7),
+        )
+        discovery = 2 if kw["measure"].startswith("geodesic") else 0
         assert len(calls) == len(case.batches) * (7 + 2) + discovery
 
 
@@ -315,8 +322,8 @@ def test_low_memory_gives_the_same_values(measure):
             loss_fn,
             measure=measure,
             rho=4 * geosharp.DEFAULT_RHO[measure],
-            n_iters=20,
             low_memory=not keep,
+            estimator=geosharp.WorstCase(n_iters=20),
         )
         results[keep].calls = len(calls)
     keep, low = results[True], results[False]
@@ -349,9 +356,9 @@ class _LargeAllocations(TorchDispatchMode):
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(geometry="adaptive"),
-        dict(geometry="geodesic", metric="inv"),
-        dict(geometry="adaptive", p=float("inf")),
+        dict(measure="adaptive"),
+        dict(measure="geodesic-inv"),
+        dict(measure="adaptive-linf"),
     ],
 )
 @pytest.mark.parametrize("low_memory", [False, True])
@@ -373,10 +380,10 @@ def test_parameter_sized_allocations_per_step(kw, low_memory):
                 case.batches[:1],
                 case.loss_fn,
                 rho=0.01,
-                n_iters=n_iters,
                 callback=count,
                 low_memory=low_memory,
                 **kw,
+                estimator=geosharp.WorstCase(n_iters=n_iters),
             )
         counts.append(mode.count - (len(evaluations) if low_memory else 0))
     assert counts[0] == counts[1], counts
@@ -420,7 +427,7 @@ def test_autocast_bfloat16_close_to_float32():
     case = bert_case(dtype=torch.float32)
     model = case.model.eval()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    kw = dict(geometry="geodesic", metric="inv", rho=0.05, n_iters=6)
+    kw = dict(measure="geodesic-inv", rho=0.05, estimator=geosharp.WorstCase(6))
     ref = geosharp.sharpness(model, case.batches, case.loss_fn, **kw)
     bf = geosharp.sharpness(model, case.batches, case.loss_fn, autocast_dtype=torch.bfloat16, **kw)
     assert bf.settings["autocast"] == "bfloat16" and ref.settings["autocast"] is None
@@ -437,7 +444,7 @@ def test_per_batch_generators_make_values_independent_of_order():
     """Batch i's random start comes from its own generator: measuring a batch alone (at
     the same index) gives the value it gets among the others."""
     case = encoder_case(dtype=F64)
-    kw = dict(rho=0.05, n_iters=3, random_start=True, seed=7)
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(3, starts="random"), seed=7)
     full = geosharp.sharpness(case.model, case.batches, case.loss_fn, **kw)
     first = geosharp.sharpness(case.model, case.batches[:1], case.loss_fn, **kw)
     assert full.per_batch[0] == first.per_batch[0]

@@ -1,9 +1,11 @@
-"""The README's examples run as written, and its tables say what the code does."""
+"""The README's examples run as written (with the docs pages that continue them), and its
+tables say what the code does."""
 
 import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = README.parent / "docs"
 
 
 def _section(title: str) -> str:
@@ -16,7 +18,9 @@ def _section(title: str) -> str:
 def test_quick_start_runs_as_written(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the Trainer's output directory
     blocks = re.findall(r"```python\n(.*?)```", _section("Quick start (Python)"), re.S)
-    assert len(blocks) == 2  # measuring, and measuring while training
+    # docs/training.md continues the example: measuring while training
+    blocks += re.findall(r"```python\n(.*?)```", (DOCS / "training.md").read_text(), re.S)[:1]
+    assert len(blocks) == 2
     namespace = {"__name__": "__readme__"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"README.md (quick start, block {i + 1})", "exec"), namespace)
@@ -57,8 +61,7 @@ def test_cli_examples_name_real_options():
 
 
 def test_hessian_trace_example_runs_as_written(capsys):
-    section = _section("The measures")
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "measures.md").read_text(), re.S)
     assert len(blocks) == 1
     exec(compile(blocks[0], "README.md (Hessian trace)", "exec"), {"__name__": "__readme__"})
     out = capsys.readouterr().out

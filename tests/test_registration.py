@@ -108,7 +108,13 @@ def test_declare_pair_on_a_model():
     for metric, rho in (("inv", 0.1), ("mix", 0.01)):
         a, b = (
             geosharp.sharpness(
-                m, [x], loss, metric=metric, rho=rho, n_iters=10, symmetries=symmetries
+                m,
+                [x],
+                loss,
+                geosharp.Geometry.named("geodesic", metric=metric),
+                rho=rho,
+                symmetries=symmetries,
+                estimator=geosharp.WorstCase(n_iters=10),
             ).value
             for m in (model, moved)
         )

@@ -85,7 +85,7 @@ def test_half_precision_models_are_measured_in_float32(dtype):
     half = case.model.to(dtype)
     widened = copy.deepcopy(half).float()  # the same weights, in float32
     batches = [(x.to(dtype), y) for x, y in case.batches]
-    kwargs = dict(geometry="adaptive", rho=0.05, n_iters=3, seed=0)
+    kwargs = dict(measure="adaptive", rho=0.05, estimator=geosharp.WorstCase(3), seed=0)
     low = geosharp.sharpness(half, batches, case.loss_fn, **kwargs)
     ref = geosharp.sharpness(widened, [(x.float(), y) for x, y in batches], case.loss_fn, **kwargs)
     assert low.value > 0 and low.settings["dtype"] == "float32"
@@ -340,7 +340,7 @@ def test_nonfinite_value_is_inf_with_its_reason_and_json_stays_strict(
 
 def test_rho_accepts_numpy_and_torch_scalars_and_rejects_booleans():
     case = vit_case(torch.float64)
-    kwargs = dict(geometry="adaptive", n_iters=2, seed=0)
+    kwargs = dict(measure="adaptive", estimator=geosharp.WorstCase(2), seed=0)
     ref = geosharp.sharpness(case.model, case.batches, case.loss_fn, rho=0.05, **kwargs).value
     for rho in (np.float64(0.05), torch.tensor(0.05, dtype=torch.float64)):
         value = geosharp.sharpness(case.model, case.batches, case.loss_fn, rho=rho, **kwargs)
@@ -360,7 +360,11 @@ def test_default_rho_is_the_measure_table_s():
         ("adaptive", "inv", "adaptive"),
     ]:
         result = geosharp.sharpness(
-            case.model, case.batches, case.loss_fn, geometry=geometry, metric=metric, n_iters=1
+            case.model,
+            case.batches,
+            case.loss_fn,
+            geosharp.Geometry.named(geometry, metric=metric),
+            estimator=geosharp.WorstCase(n_iters=1),
         )
         assert result.rho == DEFAULT_RHO[name]
 
@@ -375,7 +379,9 @@ def test_empty_parameter_list_and_loss_without_grad_are_explained():
             return case.loss_fn(model, batch)
 
     with pytest.raises(ValueError, match="does not require grad"):
-        geosharp.sharpness(case.model, case.batches, detached, n_iters=2)
+        geosharp.sharpness(
+            case.model, case.batches, detached, estimator=geosharp.WorstCase(n_iters=2)
+        )
 
 
 # --------------------------------------------------------------------------- quiet output

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import geosharp
 from geosharp import UsageError, sharpness
 from geosharp.vocabulary import compact_vocabulary
 from zoo import bert_case
@@ -24,12 +25,26 @@ def _subset_case():
 @pytest.mark.parametrize("measure", ["adaptive", "adaptive-linf", "geodesic-inv", "geodesic-mix"])
 def test_same_worst_case_as_the_whole_table(measure):
     case = _subset_case()
-    full = sharpness(case.model, case.batches, case.loss_fn, measure, rho=0.05, n_iters=6)
+    full = sharpness(
+        case.model,
+        case.batches,
+        case.loss_fn,
+        measure,
+        rho=0.05,
+        estimator=geosharp.WorstCase(n_iters=6),
+    )
     before = case.model.get_submodule(TABLE)
     with compact_vocabulary(case.model, case.batches) as batches:
         table = case.model.get_submodule(TABLE)
         assert table.num_embeddings == 12
-        compact = sharpness(case.model, batches, case.loss_fn, measure, rho=0.05, n_iters=6)
+        compact = sharpness(
+            case.model,
+            batches,
+            case.loss_fn,
+            measure,
+            rho=0.05,
+            estimator=geosharp.WorstCase(n_iters=6),
+        )
     assert case.model.get_submodule(TABLE) is before
     assert compact.value == pytest.approx(full.value, rel=1e-10, abs=1e-14)
     assert compact.value > 0

@@ -491,8 +491,15 @@ def run_measure(args) -> int:
     from .hf import check_weights, load_causal_lm, load_classifier, load_config, resolve_checkpoint
     from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
     from .io import dumps, fingerprint, write_json_atomic
-    from .measures import HESSIAN_TRACES, hessian_trace, sharpness
-    from .measures.sharpness import floor_message
+    from .measures import (
+        HESSIAN_TRACES,
+        AverageCase,
+        WorstCase,
+        block_sharpness,
+        hessian_trace,
+        sharpness,
+    )
+    from .measures.problem import floor_message
     from .symmetry import find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -609,6 +616,9 @@ def run_measure(args) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SymmetryWarning)
         warnings.simplefilter("ignore", PrecisionWarning)
+        estimator = (
+            AverageCase(args.n_samples) if args.kind == "average" else WorstCase(args.n_iters)
+        )
         for name in names:
             if name in done:
                 results.append(done[name])
@@ -631,24 +641,19 @@ def run_measure(args) -> int:
                 save(False)
                 continue
             try:
-                result = sharpness(
-                    model,
-                    batches,
-                    loss_fn,
-                    rho=rhos[name],
-                    kind=args.kind,
-                    n_iters=args.n_iters,
-                    n_samples=args.n_samples,
+                options = dict(
                     seed=args.seed,
                     symmetries=symmetries,
                     progress=not args.quiet and rank == 0,
                     autocast_dtype=autocast_dtype(args.autocast),
                     distributed=world > 1 and not args.fsdp,
-                    measure=name,
                     strict=args.strict,
                     nonfinite=args.nonfinite,
-                    per=args.per,
                 )
+                if args.per:
+                    options["per"] = args.per
+                measure = block_sharpness if args.per else sharpness
+                result = measure(model, batches, loss_fn, name, rhos[name], estimator, **options)
             except FloatingPointError as err:  # the user's radius or model, not our bug
                 raise UsageError(
                     str(err)

@@ -22,7 +22,7 @@ import torch
 
 from .data import load_digits
 from .io import write_json_atomic
-from .measures import DEFAULT_RHO, sharpness
+from .measures import DEFAULT_RHO, WorstCase, sharpness
 from .models.vit import (
     accuracy_and_loss,
     image_batches,
@@ -106,7 +106,7 @@ def run_demo(
                 image_loss,
                 measure=name,
                 rho=rho,
-                n_iters=n_iters,
+                estimator=WorstCase(n_iters=n_iters),
                 seed=seed,
                 progress=True,
             )
@@ -137,7 +137,7 @@ def run_demo(
         "Both networks compute the same function; only the geodesic measures, which live "
         "on the quotient\nby the attention symmetries, give them the same sharpness. "
         "Sharpness values of different\ngeometries are not comparable at one rho "
-        "(see README, 'Choosing rho')."
+        "(see docs/rho.md)."
     )
     coverage = _coverage(print_fn)
     print_fn(f"total time {time.perf_counter() - start:.1f}s")

@@ -175,18 +175,19 @@ def _all_reduce(op, group) -> Callable[[torch.Tensor], torch.Tensor]:
     return reduce
 
 
-def gather_in_order(records: Sequence[tuple]) -> list[tuple]:
-    """All-gather ``(index, ...)`` records from every process, sorted by index.
+def gather_in_order(records: Sequence, key: Callable[[Any], int] = lambda r: r[0]) -> list:
+    """All-gather records from every process, sorted by their index ``key(record)``
+    (default: the first field of ``(index, ...)``).
 
     Objects travel pickled (``all_gather_object``), so floats arrive bit for bit. Every
     process receives the full list; an index reported twice is an error.
     """
     if not is_distributed():
-        return sorted(records, key=lambda r: r[0])
+        return sorted(records, key=key)
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(records))
-    merged = sorted((r for part in parts for r in part), key=lambda r: r[0])
-    indices = [r[0] for r in merged]
+    merged = sorted((r for part in parts for r in part), key=key)
+    indices = [key(r) for r in merged]
     if len(set(indices)) != len(indices):
         raise RuntimeError("two processes measured the same item: are the ranks consistent?")
     return merged

@@ -23,13 +23,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from torch import nn
 
 from .data import move_batch
-from .measures import DEFAULT_RHO, measure_kwargs, sharpness
-from .measures.sharpness import _ESTIMATOR_KEYS, _GEOMETRY_KEYS, _checked_rho, check_model
+from .measures import DEFAULT_RHO, WorstCase, measure_kwargs, sharpness
+from .measures.problem import check_model, checked_rho
 from .params import LossFunction
 
 __all__ = ["SharpnessMonitor"]
-
-_FLAT = {*_ESTIMATOR_KEYS, *_GEOMETRY_KEYS}
 
 
 def _hf_loss(model: nn.Module, batch):
@@ -79,18 +77,20 @@ class SharpnessMonitor:
             unknown = set(given) - set(self.measures)
             if unknown:
                 raise ValueError(f"rho names {sorted(unknown)}, which are not in measures")
-            self.rho = {n: _checked_rho(given.get(n, DEFAULT_RHO[n])) for n in self.measures}
+            self.rho = {n: checked_rho(given.get(n, DEFAULT_RHO[n])) for n in self.measures}
         else:
-            self.rho = {n: _checked_rho(rho) for n in self.measures}
+            self.rho = {n: checked_rho(rho) for n in self.measures}
         if isinstance(n_iters, bool) or not isinstance(n_iters, int) or n_iters < 1:
             raise ValueError(f"n_iters must be a positive integer, got {n_iters!r}")
-        unknown = sorted(set(options) - set(inspect.signature(sharpness).parameters) - _FLAT)
+        unknown = sorted(set(options) - set(inspect.signature(sharpness).parameters))
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(unknown)} for geosharp.sharpness")
         self.batches = list(batches)
         if not self.batches:
             raise ValueError("batches is empty: give the training batches to measure on")
         self.loss_fn = loss_fn or _hf_loss
+        # an estimator in options replaces n_iters
+        self.estimator = options.pop("estimator", None) or WorstCase(n_iters=n_iters)
         self.n_iters, self.seed, self.prefix, self.options = n_iters, seed, prefix, options
         self.history: list[dict] = []
 
@@ -108,7 +108,7 @@ class SharpnessMonitor:
                 batches,
                 self.loss_fn,
                 rho=self.rho[name],
-                n_iters=self.n_iters,
+                estimator=self.estimator,
                 seed=self.seed,
                 symmetries=symmetries,
                 measure=name,

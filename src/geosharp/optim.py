@@ -83,13 +83,13 @@ class GeodesicSAM(torch.optim.Optimizer):
         **kwargs,
     ) -> None:
         from .errors import real_number
-        from .measures.sharpness import _geometry, _target, check_model
+        from .measures.problem import check_model, find_target, geometry_of
 
         check_model(model)
         rho = real_number(rho, "rho")
         if not (math.isfinite(rho) and rho >= 0):
             raise ValueError(f"rho must be a finite number >= 0, got {rho!r}")
-        self.geometry, parameters = _geometry(measure, {}, None)
+        self.geometry, parameters = geometry_of(measure)
         if parameters is not None:
             raise ValueError(
                 f"{measure!r} perturbs a subset of the parameters; GeodesicSAM trains them "
@@ -97,7 +97,7 @@ class GeodesicSAM(torch.optim.Optimizer):
             )
         if self.geometry.p != 2:
             raise ValueError(f"GeodesicSAM needs a round ball (p=2), not {measure!r}")
-        target = _target(model, self.geometry, parameters, symmetries)
+        target = find_target(model, self.geometry, parameters, symmetries)
         if target.upcast:
             raise ValueError("GeodesicSAM trains float32/float64 weights; use autocast for bf16")
         self._named = target.named

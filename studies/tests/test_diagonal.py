@@ -165,11 +165,13 @@ def test_auto_pgd_agrees_with_closed_forms_on_random_instances(seed):
     rho, rho_mix = 0.05, 0.02
 
     def apgd(**kw):
-        return geosharp.sharpness(net, batches, squared_loss, n_iters=100, **kw).value
+        return geosharp.sharpness(
+            net, batches, squared_loss, **kw, estimator=geosharp.WorstCase(n_iters=100)
+        ).value
 
-    adaptive = apgd(geometry="adaptive", rho=rho)
-    inv = apgd(geometry="geodesic", metric="inv", rho=rho)
-    mix = apgd(geometry="geodesic", metric="mix", rho=rho_mix)
+    adaptive = apgd(measure="adaptive", rho=rho)
+    inv = apgd(measure="geodesic-inv", rho=rho)
+    mix = apgd(measure="geodesic-mix", rho=rho_mix)
     ref_adaptive = adaptive_sharpness_diagonal(X, y, u, v, rho)
     ref_inv = geodesic_sharpness_inv(X, y, beta, rho)
     bound_mix = geodesic_sharpness_mix(X, y, beta, rho_mix)
@@ -199,7 +201,12 @@ def test_auto_pgd_agreement_at_an_interpolating_point_needs_both_signs():
         net, batch, squared_loss, "geodesic", rho, n_iters=100, n_restarts=1
     )
     default = geosharp.sharpness(
-        net, [batch], squared_loss, geometry="geodesic", rho=rho, n_iters=100
+        net,
+        [batch],
+        squared_loss,
+        geosharp.Geometry.named("geodesic"),
+        rho=rho,
+        estimator=geosharp.WorstCase(n_iters=100),
     )
     assert zero == pytest.approx(default.value, rel=1e-12)
     ref = geodesic_sharpness_inv(X, y, u * v, rho)
@@ -220,15 +227,19 @@ def test_geodesic_sharpness_is_invariant_to_rescaling(metric):
                 net,
                 batch_of(X, y),
                 squared_loss,
-                geometry="geodesic",
-                metric=metric,
+                geosharp.Geometry.named("geodesic", metric=metric),
                 rho=rho,
-                n_iters=50,
+                estimator=geosharp.WorstCase(n_iters=50),
             ).value
         )
         euclidean.append(
             geosharp.sharpness(
-                net, batch_of(X, y), squared_loss, geometry="euclidean", rho=rho, n_iters=50
+                net,
+                batch_of(X, y),
+                squared_loss,
+                geosharp.Geometry.named("euclidean"),
+                rho=rho,
+                estimator=geosharp.WorstCase(n_iters=50),
             ).value
         )
     assert values[1] == pytest.approx(values[0], rel=1e-8)

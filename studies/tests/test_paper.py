@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from geosharp.measures import measure_kwargs, sharpness
+import geosharp
+from geosharp.measures import sharpness
 from geosharp_studies import paper
 
 
@@ -102,7 +103,14 @@ def test_clip_layouts_agree_and_measure(tmp_path, fake_imagenet):
     subset = list(paper.imagenet_batches(fake_imagenet, batch_size=8, n_images=4, size=32))
     assert sum(len(y) for _, y in subset) == 4
     for name in ("adaptive", "geodesic-inv"):
-        res = sharpness(b, batches, paper.clip_loss, rho=0.05, n_iters=1, **measure_kwargs(name))
+        res = sharpness(
+            b,
+            batches,
+            paper.clip_loss,
+            rho=0.05,
+            measure=name,
+            estimator=geosharp.WorstCase(n_iters=1),
+        )
         assert math.isfinite(res.value) and len(res.per_batch) == 2
 
 
@@ -142,7 +150,12 @@ def test_bert_mnli(tmp_path):
     assert "token_type_ids" in batches[0]
     for name in ("adaptive", "geodesic-mix"):
         res = sharpness(
-            model, batches, classification_loss, rho=0.05, n_iters=1, **measure_kwargs(name)
+            model,
+            batches,
+            classification_loss,
+            rho=0.05,
+            measure=name,
+            estimator=geosharp.WorstCase(n_iters=1),
         )
         assert math.isfinite(res.value)
 

@@ -12,7 +12,7 @@ from geosharp import Geometry, PerturbationSpace, find_symmetries
 from geosharp.geometry import InvMetric, MixMetric
 from geosharp.layout import ParameterLayout
 from geosharp.measures.hessian import hessian_trace
-from geosharp.measures.sharpness import _batch_seed
+from geosharp.measures.problem import batch_seed
 from geosharp_studies import toy
 
 POINTS = [(0.7, 1.1), (-1.3, 0.4), (0.3, -0.5), (1.6, 1.2), (-0.9, -2.0)]
@@ -204,5 +204,5 @@ def test_scalar_toy_model_closed_form(metric):
     )
     trace = toy.riemannian_hessian_trace(u, v, x, y, metric=metric)
     for k, value in enumerate(result.per_probe):
-        z = space.random(torch.Generator().manual_seed(_batch_seed(2, k)))
+        z = space.random(torch.Generator().manual_seed(batch_seed(2, k)))
         assert value == pytest.approx(trace * float(space.inner(z, z)), rel=1e-9)

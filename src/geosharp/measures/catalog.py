@@ -111,7 +111,8 @@ PAPER_TABLE: list[tuple[str, float, float, float]] = [
 
 
 def measure_kwargs(name: str) -> dict:
-    """Keyword arguments of :func:`geosharp.sharpness` for a named measure.
+    """The keywords of :meth:`Geometry.named <geosharp.geometry.Geometry.named>` for a named
+    measure, and ``parameters="pairs"`` for a ``*-attn`` one.
 
     >>> measure_kwargs("geodesic-mix")
     {'geometry': 'geodesic', 'metric': 'mix'}

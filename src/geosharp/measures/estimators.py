@@ -1,5 +1,6 @@
 """How sharpness is estimated in the ball: the worst case by Auto-PGD, or the average
-over random directions on the sphere (MATH.md section 6).
+over random directions on the sphere (MATH.md section 6). Each estimator owns its
+estimate on one batch (``estimate``), a :class:`BatchResult`.
 
 >>> WorstCase(n_iters=50, starts=3)
 WorstCase(n_iters=50, starts=3)
@@ -9,9 +10,30 @@ WorstCase(n_iters=50, starts=3)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-__all__ = ["AverageCase", "Estimator", "WorstCase", "estimator_from"]
+import torch
+
+from .apgd import APGDTrace, auto_pgd
+
+__all__ = ["AverageCase", "BatchResult", "Estimator", "WorstCase"]
+
+
+@dataclass
+class BatchResult:
+    """One batch's estimate: ``value`` (perturbed minus unperturbed loss; ``inf`` where
+    a perturbed loss was not finite), the unperturbed ``loss`` and its round-off
+    ``floor``, the Auto-PGD ``trace`` of the best start (worst case), each start's value
+    (``starts``), and where a perturbed loss was not finite (``nonfinite``)."""
+
+    index: int
+    value: float
+    loss: float
+    floor: float
+    trace: APGDTrace | None = None
+    starts: list[float] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,36 @@ class WorstCase:
             return 1, self.starts == "random"
         return self.starts, False
 
+    @property
+    def evaluations(self) -> int:
+        """Forward+backward passes per batch: ``n_iters + 1`` per start."""
+        return self.runs[0] * (self.n_iters + 1)
+
+    def estimate(self, m, index: int, batch) -> BatchResult:
+        """The best of the Auto-PGD runs on ``batch`` of the
+        :class:`~geosharp.measures.problem.Measurement` ``m``."""
+        loss, floor = m.unperturbed(batch)
+        generator = m.generator(index)
+        objective = m.objective(batch)
+        n_starts, first_random = self.runs
+        best, out = -math.inf, BatchResult(index, math.nan, loss, floor)
+        for start in range(n_starts):
+            xi0 = m.random(generator) if start > 0 or first_random else None
+            value, _, run = auto_pgd(
+                objective, m.space, m.rho, self.n_iters, xi0,
+                callback=m.callback, low_memory=m.low_memory,
+            )  # fmt: skip
+            out.starts.append(float(value) - loss)
+            if float(value) > best:
+                best, out.trace = float(value), run
+            step = next((i for i, v in enumerate(run.losses) if not math.isfinite(v)), None)
+            if step is not None:
+                where = f"batch {index}" + (f", start {start}" if n_starts > 1 else "")
+                out.nonfinite.append(f"{where}, Auto-PGD step {step}: loss {run.losses[step]}")
+                out.starts[-1] = math.inf
+        out.value = math.inf if out.nonfinite else best - loss
+        return out
+
 
 @dataclass(frozen=True)
 class AverageCase:
@@ -72,29 +124,29 @@ class AverageCase:
     def kind(self) -> str:
         return "average"
 
+    @property
+    def evaluations(self) -> int:
+        """Forward passes per batch."""
+        return self.n_samples
+
+    def estimate(self, m, index: int, batch) -> BatchResult:
+        """The mean loss increase over ``n_samples`` random directions on ``batch``."""
+        loss, floor = m.unperturbed(batch)
+        generator = m.generator(index)
+        out = BatchResult(index, math.nan, loss, floor)
+        summed, point = 0.0, m.space.empty()
+        for sample in range(self.n_samples):
+            with torch.no_grad():
+                m.space.retr_(m.random(generator), point)
+            value = m.loss_at(point, batch)
+            m.evaluated()
+            if not math.isfinite(value):
+                out.nonfinite.append(f"batch {index}, direction {sample}: loss {value}")
+            summed += value
+        out.value = summed / self.n_samples - loss
+        if not math.isfinite(out.value):
+            out.value = math.inf
+        return out
+
 
 Estimator = WorstCase | AverageCase
-
-
-def estimator_from(
-    kind: str = "worst",
-    n_iters: int = 20,
-    n_samples: int = 10,
-    starts: str | int = "zero",
-    random_start: bool = False,
-) -> Estimator:
-    """The estimator that the flat keywords of :func:`geosharp.sharpness` describe.
-
-    >>> estimator_from(kind="average", n_samples=4)
-    AverageCase(n_samples=4)
-    >>> estimator_from(random_start=True)
-    WorstCase(n_iters=20, starts='random')
-    """
-    if kind not in ("worst", "average"):
-        raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
-    if random_start:
-        if not isinstance(starts, str):
-            raise ValueError("random_start=True and starts=k: use starts alone")
-        starts = "random"
-    worst, average = WorstCase(n_iters, starts), AverageCase(n_samples)  # both checked
-    return average if kind == "average" else worst

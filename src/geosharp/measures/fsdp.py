@@ -30,7 +30,7 @@ equal shares (FSDP averages the gradients and geosharp the losses).
 
 Random starts and directions are drawn whole on every process and sliced (the numbers
 of a single process: one transient parameter-sized vector per draw). Not available
-on a sharded model: ``entries=``, ``per=``, ``distributed=True`` (every process
+on a sharded model: ``entries=``, :func:`block_sharpness`, ``distributed=True`` (every process
 measures every batch), half-precision sharded parameters (shard float32 parameters
 and compute in half precision with ``fully_shard(mp_policy=...)`` or
 ``autocast_dtype``), and the Hessian trace (double backward through FSDP2 is not

@@ -51,16 +51,16 @@ from ..params import (
 )
 from ..symmetry.pairs import Symmetries
 from .fsdp import is_sharded
-from .sharpness import (
-    _GEOMETRY_KEYS,
-    _batch_seed,
-    _checked_loss,
-    _float32_copies,
-    _geometry,
-    _label,
-    _limited,
-    _peeked,
-    _target,
+from .problem import (
+    batch_seed,
+    checked_loss,
+    find_target,
+    float32_copies,
+    geometry_of,
+    label_of,
+    numbered,
+    peek,
+    refuse_legacy,
 )
 
 __all__ = ["HessianTraceResult", "hessian_trace"]
@@ -112,21 +112,21 @@ def hessian_trace(
     parameters: Sequence[str] | str | None = None,
     max_batches: int | None = None,
     progress: bool = False,
-    **geometry,
+    **legacy,
 ) -> HessianTraceResult:
     """Estimate the trace of the Hessian of the mean batch loss in ``measure``'s
     geometry, by ``n_probes`` Hutchinson probes.
 
-    ``measure``, ``parameters``, ``symmetries`` and the geometry keywords (``geometry``,
-    ``metric``, ``eps``, ``elementwise_step``) are those of :func:`~geosharp.sharpness`
-    (default: ``"geodesic-inv"``); the radius plays no role. Probe ``k`` is drawn from
-    its own generator (seeded from ``seed`` and ``k``) and is the same for every batch.
-    Each batch costs one forward, one backward with its graph kept, and one
-    double-backward per probe, or per ``probe_batch`` probes: with ``probe_batch > 1``
-    the Hessian-vector products of that many probes come from one vectorised backward
-    (``is_grads_batched``; memory: ``probe_batch`` parameter-sized vectors more), equal
-    to the one-by-one values to round-off. The model is left bit-identical, also when
-    this raises.
+    ``measure`` (a name or a :class:`~geosharp.geometry.Geometry`), ``parameters``,
+    ``symmetries``, ``seed``, ``max_batches`` and ``progress`` are those of
+    :func:`~geosharp.sharpness` (default: ``"geodesic-inv"``); the radius plays no role.
+    Probe ``k`` is drawn from its own generator (seeded from ``seed`` and ``k``) and is
+    the same for every batch. Each batch costs one forward, one backward with its graph
+    kept, and one double-backward per probe, or per ``probe_batch`` probes: with
+    ``probe_batch > 1`` the Hessian-vector products of that many probes come from one
+    vectorised backward (``is_grads_batched``; memory: ``probe_batch`` parameter-sized
+    vectors more), equal to the one-by-one values to round-off. The model is left bit-
+    identical, also when this raises.
 
     >>> import torch
     >>> from torch import nn
@@ -138,22 +138,20 @@ def hessian_trace(
     >>> abs(r.value - 6.0) < 3 * r.stderr  # tr(2 I) = 6
     True
     """
-    unknown = sorted(set(geometry) - set(_GEOMETRY_KEYS))
-    if unknown:
-        raise TypeError(f"hessian_trace() got unexpected keyword argument(s): {', '.join(unknown)}")
+    refuse_legacy("hessian_trace", legacy)
     for key, value in (("n_probes", n_probes), ("probe_batch", probe_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    geo, parameters = _geometry(measure, dict(geometry), parameters)
+    geo, parameters = geometry_of(measure, parameters)
     if geo.p != 2:
         raise ValueError("the Hessian trace needs a round ball (p=2), not the L-infinity box")
-    batches, total, first = _peeked(batches)
+    batches, total, first = peek(batches)
     if is_sharded(model):
         raise UsageError(
             "hessian_trace needs a double backward, which torch does not support through "
             "FSDP2: compute it on the unsharded model"
         )
-    target = _target(model, geo, parameters, symmetries, probe=(first, loss_fn))
+    target = find_target(model, geo, parameters, symmetries, probe=(first, loss_fn))
     layout, theta = target.layout, target.theta
     sums = torch.zeros(n_probes, dtype=torch.float64)
     losses = []
@@ -164,16 +162,16 @@ def hessian_trace(
     ):
         space = PerturbationSpace(theta, layout, target.pairs, geo)
         evaluate = functional_loss(
-            model, loss_fn, _float32_copies(model, target.named) if target.upcast else None
+            model, loss_fn, float32_copies(model, target.named) if target.upcast else None
         )
-        for index, batch in _limited(batches, max_batches, progress, "hessian trace", total):
+        for index, batch in numbered(batches, max_batches, progress, "hessian trace", total):
             del index
             params = {n: t.detach().requires_grad_() for n, t in theta.items()}
             # the Hessian-vector products differentiate through the forward: under
             # activation checkpointing it is recomputed then, with the same parameters
             with evaluate.holding(params):
                 loss = evaluate.loss(batch)
-                losses.append(_checked_loss(loss, "unperturbed"))
+                losses.append(checked_loss(loss, "unperturbed"))
                 leaves = list(params.values())
                 with checkpoint_errors():
                     grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
@@ -190,7 +188,7 @@ def hessian_trace(
                     zs = []
                     for k in ks:
                         generator = torch.Generator(device=target.device)
-                        zs.append(space.random(generator.manual_seed(_batch_seed(seed, k))))
+                        zs.append(space.random(generator.manual_seed(batch_seed(seed, k))))
                     views = [layout.unflatten(z) for z in zs]
                     totals = [0.0] * len(zs)
                     if flat_grad is not None:
@@ -219,7 +217,7 @@ def hessian_trace(
         stderr=stderr,
         per_probe=per_probe,
         loss=sum(losses) / len(losses),
-        geometry=_label(geo),
+        geometry=label_of(geo),
         n_probes=n_probes,
         n_batches=len(losses),
         settings=dict(

@@ -33,8 +33,8 @@ set-up of the same research group, Andriushchenko et al. 2023 / Pesme et al. 202
   (the exact population risk ``1/2 ||beta - beta*||^2`` is recorded as well);
 * sharpness on the whole training set (one batch), worst case:
 
-  - ``adaptive``: ``geosharp.sharpness(geometry="adaptive")`` (L2 ball, ``rho = 0.1``);
-  - ``geodesic-inv``: ``geometry="geodesic", metric="inv"``, ``rho = 0.1``: the pairs
+  - ``adaptive``: ``geosharp.sharpness(measure="adaptive")`` (L2 ball, ``rho = 0.1``);
+  - ``geodesic-inv``: ``measure="geodesic-inv"``, ``rho = 0.1``: the pairs
     ``(u_j, v_j)`` come from :func:`geosharp.find_symmetries` and the general Auto-PGD
     code measures them with the second-order geodesic;
   - ``geodesic-mix``: ``metric="mix"``, ``rho_mix = 0.01`` (``mix`` measures an absolute

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from geosharp.measures import DEFAULT_RHO, sharpness
+from geosharp.measures import DEFAULT_RHO, WorstCase, sharpness
 
 __all__ = ["maximiser_check", "primary_factor", "radius_pilot"]
 
@@ -54,7 +54,7 @@ def radius_pilot(
                 loss_fn,
                 measure=name,
                 rho=rho,
-                n_iters=n_iters,
+                estimator=WorstCase(n_iters=n_iters),
                 seed=seed,
                 **sharpness_kwargs,
             ).value
@@ -107,21 +107,14 @@ def maximiser_check(
     latter two against the first."""
     sharpness_kwargs = _with_symmetries(model, batches, loss_fn, sharpness_kwargs)
 
-    def run(**kwargs):
+    def run(estimator: WorstCase) -> float:
         return sharpness(
-            model,
-            batches,
-            loss_fn,
-            measure=measure,
-            rho=rho,
-            seed=seed,
-            **sharpness_kwargs,
-            **kwargs,
+            model, batches, loss_fn, measure, rho, estimator, seed=seed, **sharpness_kwargs
         ).value
 
-    base = run(n_iters=n_iters)
-    longer = run(n_iters=long_iters)
-    several = run(n_iters=n_iters, starts=starts)
+    base = run(WorstCase(n_iters))
+    longer = run(WorstCase(long_iters))
+    several = run(WorstCase(n_iters, starts=starts))
     return dict(
         rho=rho,
         value=base,

@@ -1,0 +1,700 @@
+"""What every measure shares: the problem it is asked to solve, set up once.
+
+* the perturbed parameters, their pairs, layout and base point (:class:`Target`,
+  :func:`find_target`), and the geometry a measure names (:func:`geometry_of`);
+* the batches (:func:`peek`, :func:`numbered`) and each batch's seed (:func:`batch_seed`);
+* the loss and its gradient at a perturbed point (:class:`LossGrad`), checked
+  (:func:`checked_loss`), in the precision asked for (:func:`autocast_for`,
+  :class:`MixedPrecision`, :func:`matmuls`) with its round-off floor (:func:`check_floor`);
+* what is reported of the model's symmetries (:func:`symmetry_report`, :func:`say_ignored`).
+
+:func:`~geosharp.measures.sharpness`, :func:`~geosharp.measures.hessian_trace`,
+:class:`~geosharp.SharpnessMonitor` and :class:`~geosharp.GeodesicSAM` are built on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
+from ..geometry.sharded import Shards
+from ..geometry.space import Geometry, PerturbationSpace
+from ..layout import ParameterLayout
+from ..params import LossFunction, aliases, checkpoint_errors, require_grad, scalar_loss
+from ..progress import Progress
+from ..symmetry.discovery import find_symmetries
+from ..symmetry.pairs import Symmetries
+from .fsdp import ShardedModel, check_shardable, is_sharded, local_shards, reshard, symmetries_of
+
+__all__ = [
+    "LEGACY",
+    "LossGrad",
+    "Measurement",
+    "MixedPrecision",
+    "Target",
+    "autocast_for",
+    "batch_seed",
+    "check_floor",
+    "check_model",
+    "checked_loss",
+    "checked_rho",
+    "find_target",
+    "float32_copies",
+    "floor_message",
+    "geometry_of",
+    "label_of",
+    "numbered",
+    "peek",
+    "refuse_legacy",
+    "symmetry_report",
+]
+
+
+def nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
+    raise FloatingPointError(
+        f"{label} at rho={rho:g}: a perturbed loss is not finite ({broken[0]}): the radius "
+        "reaches where the model breaks down and the value is no finite number; lower rho, "
+        "or report it as inf (nonfinite='inf')"
+    )
+
+
+@contextlib.contextmanager
+def restoring(sharded: ShardedModel | None, theta):
+    """Write ``theta`` back into a sharded model's shards at the end, also on error."""
+    try:
+        yield
+    finally:
+        if sharded is not None:
+            sharded.restore(theta)
+
+
+@contextlib.contextmanager
+def matmuls(device: torch.device, precision: str, settings: dict):
+    """Full-precision float32 matmuls on CUDA for the measure (``"highest"``), the
+    process's setting restored after; the precision used goes into ``settings``."""
+    before = torch.get_float32_matmul_precision()
+    cuda = device.type == "cuda"
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if precision == "highest" and cuda:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    settings["matmul_precision"] = torch.get_float32_matmul_precision() if cuda else "highest (CPU)"
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.set_float32_matmul_precision(before)
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def floor_message(label: str, rho: float, value: float, floor: float, precision: str):
+    """What to say of a ``value`` within 10x of the loss's round-off ``floor`` (``None``
+    when it is not)."""
+    if not (math.isfinite(value) and floor > 0 and abs(value) < 10 * floor):
+        return None
+    return (
+        f"{label} at rho={rho:g} is {value:.3g}, within 10x of the round-off floor of the loss "
+        f"in {precision} ({floor:.2g}): the perturbation is near what this precision can see; "
+        + (
+            "measure in float32 (no autocast) or with a larger rho"
+            if "autocast" in precision
+            else "measure in float64 or with a larger rho"
+        )
+    )
+
+
+def check_floor(label: str, rho: float, value: float, floor: float, precision: str, strict: bool):
+    """Warn (``strict``: raise) when ``value`` is within 10x of the loss's round-off floor."""
+    message = floor_message(label, rho, value, floor, precision)
+    if message is None:
+        return
+    if strict:
+        raise UsageError(message)
+    warnings.warn(message, PrecisionWarning, stacklevel=4)
+
+
+def peek(batches: Iterable) -> tuple[Iterable, int | None, object]:
+    """``batches`` (a one-shot iterator is not lost), its length if known, and its
+    first batch (discovery runs on it)."""
+    if isinstance(batches, (Tensor, dict)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (e.g. a DataLoader or a list); "
+            "wrap a single batch in a list: [batch]"
+        )
+    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    if isinstance(batches, Sequence):
+        if not batches:
+            raise ValueError("no batches: `batches` yielded nothing to measure on")
+        return batches, total, batches[0]
+    iterator = iter(batches)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        raise ValueError("no batches: `batches` yielded nothing to measure on") from None
+    return itertools.chain([first], iterator), total, first
+
+
+def symmetry_report(target: Target, geo: Geometry) -> dict:
+    """What the measure knows of the model's symmetries: how they were found, the pairs
+    used, and the attention modules measured element-wise with why (``ignored``: the
+    symmetry was not understood; ``absent``: there is none, element-wise is exact)."""
+    sym = target.symmetries
+    if geo.metric is None or sym is None:
+        return {}
+    absent: dict[str, list[str]] = {}
+    for d in sym.dropped:
+        if d.exact:
+            absent.setdefault(d.module, []).append(f"{d.kind}: {d.reason}")
+    ignored = {m: [f"{d.kind}: {d.reason}" for d in ds] for m, ds in sym.ignored.items()}
+    return {
+        "discovery": sym.discovery,
+        "pair_blocks": len(target.pairs),
+        "pairs": sum(p.shape[0] for p in target.pairs),
+        "attention_modules": len(sym.attention),
+        "verified": sum(1 for p in target.pairs if p.name in sym.verified),
+        "unverified": [p.name for p in target.pairs if p.name not in sym.verified],
+        "idle": list(sym.idle),
+        "absent": absent,
+        "ignored": ignored,
+    }
+
+
+def say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
+    """Warn (or, ``strict``, raise) when a geodesic measure would treat attention
+    modules element-wise because their symmetry was not understood."""
+    ignored, unverified = symmetries.ignored, symmetries.unverified
+    if not ignored and not unverified:
+        return
+    if ignored:
+        first, drops = next(iter(ignored.items()))
+        drop = drops[0]
+        reason = drop.reason if drop.kind == "all" else f"{drop.kind}: {drop.reason}"
+        message = (
+            f"{label}: {len(ignored)} module{'s' * (len(ignored) != 1)} measured "
+            f"element-wise because geosharp does not understand their symmetry "
+            f"({first or '<root>'}: {reason})"
+        )
+    else:
+        message = (
+            f"{label}: {len(unverified)} pair block{'s' * (len(unverified) != 1)} used without "
+            f"a numerical check on the model ({unverified[0]}): pass symmetries found with a "
+            "batch, find_symmetries(model, batch, loss_fn=...)"
+        )
+    message += (
+        "; the value is not symmetry-correct there (see result.symmetry, "
+        "find_symmetries(model).summary())"
+    )
+    if strict:
+        raise ValueError(message + "; strict=True")
+    warnings.warn(message, SymmetryWarning, stacklevel=4)  # the caller of sharpness()
+
+
+def label_of(geo: Geometry) -> str:
+    """The geometry's name in the measure table ("geodesic-inv", "adaptive-linf", ...)."""
+    return geo.name if geo.p == 2 else f"{geo.name}-linf"
+
+
+@dataclass
+class Target:
+    """What a measure works on: the perturbed parameters, their pairs and layout, and
+    ``theta``, the model's own tensors in the measure's dtype (read, never written;
+    copies only where the dtype differs: half precision is measured in float32)."""
+
+    named: list[tuple[str, Tensor]]
+    pairs: list
+    layout: ParameterLayout
+    dtype: torch.dtype
+    upcast: bool
+    theta: dict[str, Tensor] | Tensor
+    device: torch.device
+    symmetries: Symmetries | None = None
+    shards: Shards | None = None  # a sharded model: this process's slices
+    local: list[Tensor] = field(default_factory=list)  # ... the model's own
+
+
+def check_model(model: object) -> None:
+    """An error unless ``model`` is a module whose parameters hold values: a path or a
+    name (load it first), or weights on the ``meta`` device (shapes without values)."""
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got the {type(model).__name__} {model!r}: load "
+            "it first (e.g. AutoModelForSequenceClassification.from_pretrained(path))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{meta} is on the meta device (a shape without values): load the weights (e.g. "
+            "from_pretrained, or load_state_dict(..., assign=True)) before measuring"
+        )
+
+
+def find_target(
+    model: nn.Module,
+    geo: Geometry,
+    parameters: Sequence[str] | str | None,
+    symmetries: Symmetries | None,
+    probe: tuple[object, LossFunction] | None = None,
+    strict: bool = False,
+    unsupported: tuple = (None, False),
+) -> Target:
+    """The perturbed parameters and their pairs. Without ``symmetries``, they are found
+    (:func:`find_symmetries`, on ``probe = (batch, loss_fn)`` when given) only where the
+    measure uses pairs: its geometry has a pair factor, or ``parameters="pairs"``. A
+    geometry with a pair factor on a model whose attention symmetry is partly not
+    understood warns once (``strict``: raises). A sharded model (FSDP2) gives this
+    process's slices (:mod:`geosharp.fsdp`); ``unsupported = (entries, distributed)``
+    are refused there."""
+    check_model(model)
+    pairs_only = isinstance(parameters, str) and parameters == "pairs"
+    sharded = is_sharded(model)
+    if sharded:
+        reshard(model)
+        if symmetries is None:
+            symmetries = symmetries_of(model)
+    if symmetries is None and (geo.metric is not None or pairs_only):
+        if sharded:
+            raise UsageError(
+                "a sharded model's symmetries are found before sharding: pass "
+                "symmetries=geosharp.find_symmetries(model, batch, loss_fn=...) found on the "
+                "unsharded model, or shard it with geosharp.fsdp.shard(model, symmetries)"
+            )
+        if probe is not None:
+            batch, loss_fn = probe
+            symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
+        else:
+            symmetries = find_symmetries(model, warn=False)
+    if pairs_only:
+        parameters = pair_parameters(model, symmetries)
+    named = perturbed_parameters(model, parameters)
+    pairs = (
+        symmetries.restrict([n for n, _ in named]).pairs
+        if geo.metric is not None and symmetries is not None
+        else []
+    )
+    dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
+    if geo.metric is not None and symmetries is not None:
+        say_ignored(symmetries, label_of(geo), strict)
+    if sharded:  # theta: a flat copy of this process's slices (the model holds the point)
+        check_shardable(dtype, *unsupported)
+        shards, local = local_shards(named)
+        theta = torch.cat([t.detach().reshape(-1) for t in local])
+        device = local[0].device
+        return Target(
+            named, pairs, shards.local, dtype, False, theta, device, symmetries, shards, local
+        )
+    upcast = dtype in (torch.float16, torch.bfloat16)
+    if upcast:
+        dtype = torch.float32
+    theta = {n: t.detach().to(dtype) for n, t in named}
+    return Target(
+        named,
+        pairs,
+        ParameterLayout.from_named(named),
+        dtype,
+        upcast,
+        theta,
+        named[0][1].device,
+        symmetries,
+    )
+
+
+def checked_rho(rho: object) -> float:
+    number = real_number(rho, "rho")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"rho must be a positive finite number, got {rho!r}")
+    return number
+
+
+def geometry_of(
+    measure: str | Geometry | None, parameters: Sequence[str] | str | None = None
+) -> tuple[Geometry, Sequence[str] | str | None]:
+    """The geometry of ``measure`` (a name of :data:`~geosharp.measures.MEASURES`, default
+    ``"geodesic-inv"``, or a :class:`~geosharp.geometry.Geometry`), and the parameters to
+    perturb (a ``*-attn`` measure restricts them to the pairs).
+
+    >>> geometry_of("adaptive-attn")[1]
+    'pairs'
+    """
+    from .catalog import measure_kwargs
+
+    if isinstance(measure, Geometry):
+        return measure, parameters
+    if measure is None:
+        measure = "geodesic-inv"
+    if not isinstance(measure, str):
+        raise TypeError(f"measure must be a name or a Geometry, got {measure!r}")
+    spec = measure_kwargs(measure)
+    parameters = spec.pop("parameters", parameters)
+    return Geometry.named(spec.pop("geometry"), **spec), parameters
+
+
+LEGACY = {
+    "geometry", "metric", "eps", "p", "elementwise_step",  # the geometry
+    "kind", "n_iters", "n_samples", "starts", "random_start",  # the estimator
+}  # fmt: skip
+
+
+def refuse_legacy(function: str, keywords: dict) -> None:
+    """A ``TypeError`` naming the current spelling of the flat keywords of earlier
+    versions (the geometry and the estimator piece by piece), or of unknown ones."""
+    if not keywords:
+        return
+    if "per" in keywords:
+        raise TypeError(
+            f"{function}() no longer takes per: write block_sharpness(model, batches, loss_fn, "
+            f"..., per={keywords['per']!r}) (geosharp.block_sharpness)"
+        )
+    unknown = sorted(set(keywords) - LEGACY)
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword argument(s): {', '.join(unknown)}")
+    spelled = []
+    geometry = {k: v for k, v in keywords.items() if k in LEGACY - _ESTIMATOR_KEYS}
+    if geometry:
+        args = [repr(geometry.pop("geometry", "geodesic"))]
+        args += [f"{k}={_spelled(v)}" for k, v in geometry.items()]
+        spelled.append(f"measure=Geometry.named({', '.join(args)})")
+    estimator = {k: v for k, v in keywords.items() if k in _ESTIMATOR_KEYS}
+    if estimator:
+        if estimator.get("kind") == "average":
+            spelled.append(f"estimator=AverageCase(n_samples={estimator.get('n_samples', 10)})")
+        else:
+            starts = "'random'" if estimator.get("random_start") else None
+            starts = repr(estimator["starts"]) if "starts" in estimator else starts
+            args = [f"n_iters={estimator['n_iters']}"] if "n_iters" in estimator else []
+            args += [f"starts={starts}"] if starts else []
+            spelled.append(f"estimator=WorstCase({', '.join(args)})")
+    raise TypeError(
+        f"{function}() no longer takes {', '.join(sorted(keywords))}: write "
+        + ", ".join(spelled)
+        + " (geosharp.Geometry, geosharp.WorstCase, geosharp.AverageCase)"
+    )
+
+
+_ESTIMATOR_KEYS = {"kind", "n_iters", "n_samples", "starts", "random_start"}
+
+
+def _spelled(value) -> str:
+    """``value`` as Python source (``float('inf')`` for an infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return f"float({str(value)!r})"
+    return repr(value)
+
+
+def pair_parameters(model: nn.Module, symmetries: Symmetries) -> list[str]:
+    """The names of the parameters in ``symmetries``' pairs, in the model's order."""
+    in_pairs = {n for pair in symmetries.pairs for n in pair.params}
+    names = [n for n, _ in model.named_parameters() if n in in_pairs]
+    if not names:
+        raise ValueError(
+            "parameters='pairs': no symmetric pairs were found in the model "
+            "(see geosharp.find_symmetries(model).summary())"
+        )
+    return names
+
+
+def perturbed_parameters(model: nn.Module, names: Sequence[str] | None) -> list[tuple[str, Tensor]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("the model has no parameters: there is nothing to perturb")
+    if names is None:
+        chosen = [(n, p) for n, p in named if p.requires_grad]
+        if not chosen:
+            raise ValueError(
+                "no parameter of the model requires grad; pass `parameters=[...]` to choose "
+                "which to perturb"
+            )
+        return chosen
+    if isinstance(names, str):
+        raise TypeError(f"parameters must be a list of names or 'pairs', got {names!r}")
+    names = list(names)
+    if not names:
+        raise ValueError(
+            "parameters=[] names no parameter to perturb: give at least one name, or "
+            "parameters=None for all that require grad"
+        )
+    known = dict(named)
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(f"unknown parameter names: {missing}; see model.named_parameters()")
+    return [(n, known[n]) for n in names]
+
+
+def numbered(
+    batches: Iterable, limit: int | None, progress: bool, label: str, length: int | None = None
+):
+    if isinstance(batches, (Tensor, dict)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (e.g. a DataLoader or a list); "
+            "wrap a single batch in a list: [batch]"
+        )
+    if length is None and hasattr(batches, "__len__"):
+        length = len(batches)  # type: ignore[arg-type]
+    total = limit
+    if length is not None:
+        total = length if limit is None else min(limit, length)
+    iterator = iter(Progress(batches, total=total, desc=label, unit="batch", enabled=progress))
+    for i, batch in enumerate(iterator):
+        if limit is not None and i >= limit:
+            break
+        yield i, batch
+
+
+def checked_loss(loss: object, where: str) -> float:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar, got shape {tuple(loss.shape)}; "
+            "reduce it, e.g. with .mean()"
+        )
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FloatingPointError(f"the {where} loss is {value}: check the model and the data")
+    return value
+
+
+class LossGrad:
+    """Loss and gradient at a perturbed point for Auto-PGD, without parameter-sized
+    temporaries: views of the point are swapped into the model as leaves, and each
+    leaf's gradient is copied into its view of the output buffer as soon as backward
+    has accumulated it, then freed. Backward frees activations as it goes, so a buffer
+    whose pages are first written here (a new one, on the CPU) costs no more memory than
+    the gradients of a training step."""
+
+    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None):
+        self.evaluate, self.layout = evaluate, layout
+        self.batch, self.autocast, self.mask = batch, autocast, mask
+
+    def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+        leaves, targets, filled = {}, {}, set()
+
+        def hook(leaf: Tensor) -> None:
+            targets[id(leaf)].copy_(leaf.grad)
+            leaf.grad = None
+            filled.add(id(leaf))
+
+        for (name, view), target in zip(
+            self.layout.unflatten(point).items(), self.layout.unflatten(out).values()
+        ):
+            leaf = view.detach().requires_grad_(True)
+            leaf.register_post_accumulate_grad_hook(hook)
+            targets[id(leaf)] = target
+            leaves[name] = leaf
+        # forward and backward with the point swapped in: a backward through activation
+        # checkpointing recomputes the forward, which must see the point too
+        holding = getattr(self.evaluate, "holding", None)
+        with holding(leaves) if holding is not None else contextlib.nullcontext():
+            with self.autocast():
+                if holding is not None:
+                    loss = self.evaluate.loss(self.batch)
+                else:
+                    loss = self.evaluate(leaves, self.batch)
+            loss = scalar_loss(loss)
+            require_grad(loss)
+            with checkpoint_errors():
+                loss.backward(inputs=list(leaves.values()))
+        for leaf in leaves.values():  # parameters the loss does not reach
+            if id(leaf) not in filled:
+                targets[id(leaf)].zero_()
+        if self.mask is not None:  # the entries measured; the rest stay fixed
+            out.mul_(self.mask)
+        return loss_value(loss), out
+
+
+def float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """float32 copies of the model's half-precision parameters and buffers that are not
+    perturbed, swapped in beside the float32 perturbed point."""
+    skip = {n for n, _ in perturbed}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {
+        n: t.detach().float()
+        for n, t in tensors
+        if n not in skip and t.dtype in (torch.float16, torch.bfloat16)
+    }
+
+
+@dataclass
+class MixedPrecision:
+    """A half-precision model measured with float32 only where the perturbation lives:
+    the modules that own perturbed parameters compute in float32 (their other
+    parameters and buffers as float32 copies, ``base``; their floating inputs cast up,
+    their outputs cast back to ``half``); the rest of the model computes in ``half``
+    on its own weights. Possible where every such module is a leaf (holds no
+    submodules): a ``Linear``, an ``Embedding``, a norm."""
+
+    owners: list[nn.Module]
+    base: dict[str, Tensor]
+    half: torch.dtype
+
+    @classmethod
+    def plan(cls, model: nn.Module, perturbed: list[tuple[str, Tensor]], half):
+        modules = dict(model.named_modules(remove_duplicate=False))
+        ids = {id(t) for _, t in perturbed}
+        # every module that holds a perturbed parameter, under any of its names (a tied
+        # embedding and output head)
+        names = {n for p, all_names in aliases(model) if id(p) in ids for n in all_names}
+        owners = list(dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n in names))
+        if any(next(modules[o].children(), None) is not None for o in owners):
+            return None  # a module with submodules: the whole model in float32 instead
+        base = {}
+        for owner in owners:
+            prefix = f"{owner}." if owner else ""
+            module = modules[owner]
+            for local, t in [
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            ]:
+                if prefix + local not in names and t.dtype == half:
+                    base[prefix + local] = t.detach().float()
+        return cls(list({id(m): m for m in (modules[o] for o in owners)}.values()), base, half)
+
+    @contextlib.contextmanager
+    def active(self):
+        half = self.half
+
+        def up(x):
+            return x.float() if isinstance(x, Tensor) and x.dtype == half else x
+
+        def down(x):
+            return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
+
+        def before(_module, args, kwargs):
+            return tree_map(up, args), tree_map(up, kwargs)
+
+        def after(_module, _args, output):
+            return tree_map(down, output)
+
+        handles = []
+        try:
+            for module in self.owners:
+                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(module.register_forward_hook(after))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def loss_value(loss: Tensor) -> Tensor:
+    value = loss.detach()
+    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+
+
+def process_group(distributed: bool) -> tuple[int, int]:
+    if not distributed:
+        return 0, 1
+    from ..distributed import rank_and_world
+
+    return rank_and_world(require=True)
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """``seed`` for the first batch, a splitmix64 mix of ``(seed, index)`` after."""
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + index) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) >> 1
+
+
+def entry_mask(space: PerturbationSpace, layout: ParameterLayout, entries) -> Tensor:
+    """A flat 0/1 vector: 1 at the ``entries`` of each parameter."""
+    mask = space.empty().zero_()
+    for name, index in entries.items():
+        if name not in layout.names:
+            raise ValueError(f"entries names {name!r}, which is not among the measured parameters")
+        size = math.prod(layout.shapes[layout.names.index(name)])
+        index = torch.as_tensor(index, dtype=torch.long, device=mask.device).reshape(-1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+            raise ValueError(f"entries of {name!r} fall outside its {size} elements")
+        mask[layout.offset(name) + index] = 1.0
+    if not bool(mask.any()):
+        raise ValueError("entries selects no element to perturb")
+    return mask
+
+
+def masked(xi: Tensor, mask: Tensor | None) -> Tensor:
+    return xi if mask is None else xi.mul_(mask)
+
+
+def scale_to(space: PerturbationSpace, xi: Tensor, rho: float) -> Tensor:
+    return xi.mul_((rho / space.norm(xi).clamp_min(1e-30)).to(xi.dtype))
+
+
+@dataclass
+class Measurement:
+    """One measure set up on a model, for its estimator's per-batch estimates: the loss
+    ``evaluate(params, batch)`` in its precision (``autocast``), the perturbation space
+    and radius, the entries measured (``mask``), the seed, and the progress and callback
+    of each evaluation."""
+
+    evaluate: object
+    space: PerturbationSpace
+    layout: ParameterLayout
+    theta: dict[str, Tensor] | Tensor
+    rho: float
+    seed: int
+    autocast: object
+    floor_dtype: torch.dtype | None  # None: measured against float32 (autocast)
+    sharded: ShardedModel | None = None
+    mask: Tensor | None = None
+    callback: object = None
+    low_memory: bool = False
+    steps: Progress | None = None
+
+    def unperturbed(self, batch) -> tuple[float, float]:
+        """The loss at ``theta`` and its round-off floor: ``|L - L_float32|`` under
+        autocast, measured; else ``eps * |L|`` of the precision the model computes in."""
+        with self.autocast():
+            loss = checked_loss(self.evaluate(self.theta, batch), "unperturbed")
+        if self.floor_dtype is None:
+            with torch.no_grad():
+                return loss, abs(loss - float(self.evaluate(self.theta, batch)))
+        return loss, torch.finfo(self.floor_dtype).eps * abs(loss)
+
+    def generator(self, index: int) -> torch.Generator:
+        """Batch ``index``'s own generator: its value does not depend on which process
+        measures it."""
+        generator = torch.Generator(device=self.space.device)
+        return generator.manual_seed(batch_seed(self.seed, index))
+
+    def random(self, generator: torch.Generator) -> Tensor:
+        """A random tangent of norm ``rho`` (Gaussian in the metric, on the entries)."""
+        return scale_to(self.space, masked(self.space.random(generator), self.mask), self.rho)
+
+    def objective(self, batch):
+        """``(point, out) -> (loss, gradient into out)`` for Auto-PGD on ``batch``."""
+        if self.sharded is not None:
+            return self.sharded.loss_grad(batch, self.autocast)
+        return LossGrad(self.evaluate, self.layout, batch, self.autocast, self.mask)
+
+    def loss_at(self, point: Tensor, batch) -> float:
+        """The loss at the flat ``point``, without gradient."""
+        with torch.no_grad(), self.autocast():
+            return float(self.evaluate(self.layout.unflatten(point), batch))
+
+    def evaluated(self) -> None:
+        if self.steps is not None:
+            self.steps.update()
