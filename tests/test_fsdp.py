@@ -70,7 +70,7 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     one, many = messages["default plan"]  # 4 heads on 4 processes: FSDP2's Shard(0)
     assert abs(many - one) <= 1e-8 * abs(one)
     assert "double backward" in messages["hessian"]
-    assert "per= is not available on a sharded model" in messages["per"]
+    assert "block_sharpness is not available on a sharded model" in messages["per"]
 
 
 def test_the_docs_show_the_committed_benchmark_and_projection():

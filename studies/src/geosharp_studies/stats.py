@@ -19,6 +19,8 @@ when there are no ties.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,12 +65,29 @@ def kendall_tau(a: Sequence[float], b: Sequence[float], variant: str = "a") -> f
     n = a.size
     if n < 2:
         return float("nan")
-    sa, sb = _pair_signs(a), _pair_signs(b)
-    concordance = float(np.sum(sa * sb))
+    return float(_tau_rows(a[None], b[None], variant)[0])
+
+
+@functools.cache
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index pairs ``i < j`` of ``n`` points."""
+    return np.triu_indices(n, k=1)
+
+
+def _tau_rows(a: np.ndarray, b: np.ndarray, variant: str) -> np.ndarray:
+    """:func:`kendall_tau` of each row of ``a`` and ``b`` (``(R, N)``, ``N >= 2``): the
+    same numbers as row by row (the sums are of small integers, exact in any order)."""
+    n = a.shape[1]
+    i, j = _pairs(n)
+    sa, sb = np.sign(a[:, i] - a[:, j]), np.sign(b[:, i] - b[:, j])
+    concordance = np.sum(sa * sb, axis=1)
     if variant == "a":
         return concordance / (n * (n - 1) / 2)
-    denominator = np.sqrt(float(np.count_nonzero(sa)) * float(np.count_nonzero(sb)))
-    return concordance / denominator if denominator > 0 else float("nan")
+    denominator = np.sqrt(
+        np.count_nonzero(sa, axis=1).astype(np.float64) * np.count_nonzero(sb, axis=1)
+    )
+    safe = np.where(denominator > 0, denominator, 1.0)
+    return np.where(denominator > 0, concordance / safe, np.nan)
 
 
 @dataclass(frozen=True)
@@ -125,14 +144,14 @@ def bootstrap_ci(
     if n_boot < 1:
         raise ValueError(f"n_boot must be positive, got {n_boot}")
     estimate = float(statistic(*arrays))
-    rng = np.random.default_rng(seed)
-    replicates = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, n, size=n)
-        value = float(statistic(*(x[idx] for x in arrays)))
-        if np.isfinite(value):
-            replicates.append(value)
-    return _percentile_ci(estimate, replicates, level)
+    # the same indices as one draw of n per replicate, in order
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    rows = getattr(statistic, "rows", None)  # the statistic of every replicate at once
+    if rows is not None:
+        values = rows(*(x[idx] for x in arrays))
+    else:
+        values = [float(statistic(*(x[i] for x in arrays))) for i in idx]
+    return _percentile_ci(estimate, [float(v) for v in values if np.isfinite(v)], level)
 
 
 def stratified_bootstrap_ci(
@@ -205,6 +224,7 @@ def kendall_tau_with_ci(
     def tau(x: np.ndarray, y: np.ndarray) -> float:
         return kendall_tau(x, y, variant=variant)
 
+    tau.rows = lambda x, y: _tau_rows(x, y, variant)  # type: ignore[attr-defined]
     return bootstrap_ci(tau, a, b, n_boot=n_boot, level=level, seed=seed)
 
 
@@ -298,6 +318,15 @@ def tau_difference(
         tb = kendall_tau(bt[:, pick_b(bt.T)], g, "b")
         return abs(ta) - abs(tb) if absolute else ta - tb
 
+    def rows(at: np.ndarray, bt: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """Every replicate at once (``(B, N, radii)``): the radii picked per replicate."""
+        ia = np.array([pick_a(x.T) for x in at])
+        ib = np.array([pick_b(x.T) for x in bt])
+        ta = _tau_rows(np.take_along_axis(at, ia[:, None, None], 2)[..., 0], g, "b")
+        tb = _tau_rows(np.take_along_axis(bt, ib[:, None, None], 2)[..., 0], g, "b")
+        return np.abs(ta) - np.abs(tb) if absolute else ta - tb
+
+    statistic.rows = rows  # type: ignore[attr-defined]
     return bootstrap_ci(statistic, a2.T, b2.T, target, n_boot=n_boot, level=level, seed=seed)
 
 
@@ -388,12 +417,29 @@ def granulated_tau_ci(
     if n < 1:
         raise ValueError("granulated_tau_ci needs at least one base configuration")
 
+    v, g = np.asarray(values, float), np.asarray(gap, float)
+    # a group's tau does not depend on which bases a replicate draws: computed once
+    cached = [
+        {
+            axis: kendall_tau(v[list(idx)], g[list(idx)], "b") if len(idx) > 1 else math.nan
+            for axis, idx in groups.items()
+        }
+        for groups in groups_by_base
+    ]
+
     def statistic(chosen: Sequence[int]) -> float:
-        groups: dict[str, list[list[int]]] = {}
+        """:func:`grouped_granulated_tau` of the chosen bases' groups (the same sums in
+        the same order)."""
+        taus: dict[str, list[float]] = {}
         for b in chosen:
-            for axis, idx in groups_by_base[b].items():
-                groups.setdefault(axis, []).append(idx)
-        return grouped_granulated_tau(values, gap, groups)["granulated"]
+            for axis, tau in cached[b].items():
+                taus.setdefault(axis, []).append(tau)
+        means = [
+            float(np.mean(f))
+            for f in ([x for x in ts if np.isfinite(x)] for ts in taus.values())
+            if f
+        ]
+        return float(np.mean(means)) if means else float("nan")
 
     estimate = statistic(range(n))
     rng = np.random.default_rng(seed)
@@ -434,7 +480,7 @@ def reach_tau(
         raise ValueError("values must be (columns >= 2, models) with one target per model")
 
     def statistic(vt: np.ndarray, g: np.ndarray) -> float:
-        taus = np.array([kendall_tau(col, g, "b") for col in vt.T])
+        taus = _tau_rows(vt.T, np.broadcast_to(g, vt.T.shape), "b")
         ok = np.isfinite(taus)  # a column constant on a resample has no tau
         return kendall_tau(np.median(vt, axis=0)[ok], taus[ok], "b")
 
