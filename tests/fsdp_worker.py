@@ -50,10 +50,11 @@ def loss_fn(model, batch):
     return model(**batch).loss
 
 
+# two steps: the second retracts, pulls back and steps from a point off theta
 CASES = {
-    "worst": dict(estimator=geosharp.WorstCase(n_iters=4)),
-    "worst-random": dict(estimator=geosharp.WorstCase(n_iters=3, starts="random"), seed=3),
-    "average": dict(estimator=geosharp.AverageCase(n_samples=3), seed=5),
+    "worst": dict(estimator=geosharp.WorstCase(n_iters=2)),
+    "worst-random": dict(estimator=geosharp.WorstCase(n_iters=2, starts="random"), seed=3),
+    "average": dict(estimator=geosharp.AverageCase(n_samples=2), seed=5),
 }
 MEASURES = {
     "adaptive": 0.05,

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from .errors import MissingInputError, PrecisionWarning, SymmetryWarning, UsageError
+from .io import dumps
+from .loading import BUILTIN_DATA
 from .options import (
     add_autocast,
     add_device,
@@ -39,8 +41,6 @@ __all__ = [
     "run_symmetries",
 ]
 
-BUILTIN_IMAGES = ("digits", "fashion-mnist")
-BUILTIN_DATA = (*BUILTIN_IMAGES, "rotten-tomatoes")
 DEFAULT_MEASURES = "adaptive,geodesic-inv,geodesic-mix"
 
 
@@ -206,304 +206,71 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
     return table
 
 
-def data_kind(source: str) -> str:
-    """What ``--data`` names: ``builtin``, ``table``, ``datasets``, ``images`` or ``pt``."""
-    from .data import TABLE_SUFFIXES, is_datasets_dir, is_image_folder
-
-    if source in BUILTIN_DATA:
-        return "builtin"
-    path = Path(source)
-    if not path.exists():
-        raise MissingInputError(
-            f"--data {source}: no such file or directory (built-in: {', '.join(BUILTIN_DATA)})"
-        )
-    if path.is_dir():
-        if is_datasets_dir(path):
-            return "datasets"
-        if is_image_folder(path):
-            return "images"
-        raise UsageError(
-            f"--data {source}: a directory must be a datasets save_to_disk directory or an "
-            "image folder root/<class>/<image>"
-        )
-    if path.suffix.lower() in TABLE_SUFFIXES:
-        return "table"
-    if path.suffix.lower() == ".pt":
-        return "pt"
-    raise UsageError(
-        f"--data {source}: unknown format {path.suffix or '(no suffix)'}; use .csv, .tsv, "
-        ".jsonl, .pt, a datasets directory or an image folder"
-    )
-
-
-def resolve_task(option: str, config) -> str:
-    """The task of ``--task`` (``auto``: a causal LM when config.json's architectures
-    say so, else the classifier's task of :func:`geosharp.hfdata.task_of`)."""
-    from .hfdata import CAUSAL_LM, is_causal_lm, task_of
-
-    archs = getattr(config, "architectures", None) or []
-    if option == "causal-lm" and archs and not is_causal_lm(config):
-        raise UsageError(
-            f"--task causal-lm: the checkpoint is a {archs[0]}, not a causal language model "
-            "(its config.json names no ...ForCausalLM or ...LMHeadModel): its next-token loss "
-            "would be a random head's; drop --task, or give a causal LM checkpoint"
-        )
-    if option == "causal-lm" or (option == "auto" and is_causal_lm(config)):
-        return CAUSAL_LM
-    return task_of(config)
-
-
-def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
-    """The measurement batches of ``--data`` for the model in ``path``, loaded as the
-    checkpoint's owner made them (:mod:`geosharp.hfdata`), and the lines that say how
-    (label mapping, pixels, texts cut)."""
-    from . import data as datasets
-    from . import hfdata
-    from .hf import check_label_range, is_vision, label_ids, load_tokenizer
-
-    source, n = args.data, args.n_points
-    kind = data_kind(source)
-    vision = is_vision(config)
-    classes = int(getattr(config, "num_labels", 0) or 0)
-    task = resolve_task(args.task, config)
-    is_image_source = source in BUILTIN_IMAGES or kind == "images"
-    is_text_source = source == "rotten-tomatoes" or kind in ("table", "datasets")
-    if vision and is_text_source:
-        raise UsageError(f"--data {source} is text data but {args.model} is a vision model")
-    if not vision and is_image_source:
-        raise UsageError(f"--data {source} is image data but {args.model} is a text model")
-
-    if task == hfdata.CAUSAL_LM:
-        return _lm_batches(args, path, config)
-    if kind == "pt":
-        return _tensor_batches(source, n, args.batch_size, classes, task), []
-    if task != hfdata.TASKS[0] and (is_image_source or source == "rotten-tomatoes"):
-        raise UsageError(
-            f"{args.model} is a {task.replace('_', '-')} head (config.json problem_type / "
-            f"num_labels) and --data {source} holds class labels: give data with its targets"
-        )
-    if task == hfdata.TASKS[2]:
-        raise UsageError(
-            f"{args.model} is a multi-label head: give --data as a .pt file whose 'labels' "
-            f"tensor holds one row of {classes} 0/1 targets per data point"
-        )
-    if is_image_source:
-        return _image_batches(args, path, config, classes)
-
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
-    notes = []
-    if source == "rotten-tomatoes":
-        text = datasets.load_rotten_tomatoes()
-        order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
-        texts = [text.texts[i] for i in order[:n]]
-        labels = text.labels[order[:n]]
-        check_label_range(labels, classes)
-        notes.append("labels: 0 = rotten, 1 = fresh (the data's class indices)")
-    else:
-        rows = datasets.read_texts(
-            source, args.text_column, args.label_column, split=args.split, limit=n
-        )
-        texts = rows.texts
-        if task == hfdata.TASKS[1]:
-            labels = hfdata.regression_targets(rows.labels)
-            notes.append("targets: numbers (regression head, mean squared error)")
-        else:
-            labels = label_ids(rows.labels, config, classes)
-            notes.append(_label_note(rows.labels, labels))
-    batches, more = hfdata.tokenized_batches(
-        tokenizer, config, texts, labels, args.batch_size, args.max_length
-    )
-    return batches, [*notes, *more]
-
-
-def _lm_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
-    """Batches of texts for a causal LM (no labels: the next-token loss)."""
-    from . import data as datasets
-    from . import hfdata
-    from .hf import load_tokenizer
-
-    source, n = args.data, args.n_points
-    if source != "rotten-tomatoes" and data_kind(source) not in ("table", "datasets"):
-        raise UsageError(
-            f"{args.model} is a causal LM: give --data as texts (.txt, .csv, .tsv, .jsonl, "
-            "a datasets directory, or rotten-tomatoes)"
-        )
-    if "," in args.text_column:
-        raise UsageError("a causal LM reads one text column: give --text-column NAME")
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
-    if source == "rotten-tomatoes":
-        text = datasets.load_rotten_tomatoes()
-        order = torch.randperm(len(text.labels), generator=torch.Generator().manual_seed(args.seed))
-        texts = [text.texts[i] for i in order[:n]]
-    else:
-        rows = datasets.read_texts(source, args.text_column, None, split=args.split, limit=n)
-        texts = rows.texts
-    batches, notes = hfdata.tokenized_batches(
-        tokenizer, config, texts, None, args.batch_size, args.max_length
-    )
-    return batches, ["texts: next-token loss, mean over the tokens (padding masked)", *notes]
-
-
-def _label_note(raw: list, ids: torch.Tensor) -> str:
-    """How the labels of a text file became class ids."""
-    from .hf import class_index
-
-    named = {}
-    for label, i in zip(raw, ids.tolist(), strict=True):
-        if not (isinstance(label, int) or class_index(label) is not None):
-            named.setdefault(str(label).strip(), i)
-    if not named:
-        return "labels: class indices as given"
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(named.items(), key=lambda kv: kv[1])[:8])
-    return f"labels: {shown} (names matched to the checkpoint label2id)"
-
-
-def _image_batches(args, path: Path, config, classes: int) -> tuple[list[dict], list[str]]:
-    """Batches of an image folder or built-in image set, through the checkpoint's image
-    processor where it has one."""
-    from . import data as datasets
-    from . import hfdata
-    from .hf import check_label_range, image_batches_for
-
-    source, n = args.data, args.n_points
-    processor = hfdata.load_image_processor(path)
-    notes = []
-    if args.data in BUILTIN_IMAGES:
-        images = (
-            datasets.load_digits() if source == "digits" else datasets.load_fashion_mnist("train")
-        )
-        x, y = images.images[:n], images.labels[:n]
-        check_label_range(y, classes)
-        notes.append(f"labels: the data's class indices 0 to {images.classes - 1}")
-        if processor is None:
-            notes.append(
-                f"pixels: resized to {config.image_size}x{config.image_size}, (x - 0.5) / 0.5 "
-                "(the checkpoint has no preprocessor_config.json)"
-            )
-            return list(image_batches_for(config, x, y, args.batch_size)), notes
-        pil = _as_pil(x, datasets.image_mode(config.num_channels))
-    else:
-        items, folders = datasets.image_folder_items(source, n, args.seed)
-        if not items:
-            raise UsageError(
-                f"{source} has no images in class sub-directories (root/<class>/<image>)"
-            )
-        ids, how = hfdata.folder_label_ids(folders, config)
-        notes.append(how)
-        y = torch.tensor([ids[c] for _, c in items], dtype=torch.long)
-        pil = datasets.read_images([f for f, _ in items], datasets.image_mode(config.num_channels))
-    pixels, how = hfdata.pixel_values(pil, config, processor)
-    notes.append(how)
-    batches = [
-        {"pixel_values": pixels[s : s + args.batch_size], "labels": y[s : s + args.batch_size]}
-        for s in range(0, len(y), args.batch_size)
-    ]
-    return batches, notes
-
-
-def _as_pil(images: torch.Tensor, mode: str) -> list:
-    """``(N, C, H, W)`` images in [0, 1] as 8-bit PIL images in ``mode`` (what an image
-    processor reads, rescaling included)."""
-    from PIL import Image
-
-    array = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    out = []
-    for a in array:
-        image = Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a)
-        out.append(image.convert(mode))
-    return out
-
-
-def _tensor_batches(source: str, n: int, batch_size: int, classes: int, task: str) -> list[dict]:
-    """Batches of a ``.pt`` dict of tensors, one row per data point in each; ``labels``
-    fit the task: class indices, regression targets, or rows of 0/1 targets."""
-    from .hf import check_label_range
-
-    try:
-        tensors = torch.load(source, weights_only=True)
-    except Exception as err:  # any unreadable file is the user's to fix
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--data {source}: torch.load cannot read it ({first})") from None
-    if not isinstance(tensors, dict) or not isinstance(tensors.get("labels"), torch.Tensor):
-        raise UsageError(
-            f"--data {source} must hold a dict of input tensors with a 'labels' entry "
-            f"(found {type(tensors).__name__}); save e.g. {{'pixel_values': x, 'labels': y}}"
-        )
-    labels = tensors["labels"]
-    other = {k: v for k, v in tensors.items() if not isinstance(v, torch.Tensor)}
-    if other:
-        key = next(iter(other))
-        raise UsageError(
-            f"--data {source}: {key!r} is a {type(other[key]).__name__}, not a tensor; "
-            "save only tensors, one row per data point"
-        )
-    lengths = {k: len(v) if v.dim() else 0 for k, v in tensors.items()}
-    if len(set(lengths.values())) > 1:
-        raise UsageError(
-            f"--data {source}: the tensors hold different numbers of data points "
-            f"({', '.join(f'{k} {m}' for k, m in lengths.items())}); give each one row per point"
-        )
-    got = f"got {str(labels.dtype).removeprefix('torch.')} of shape {tuple(labels.shape)}"
-    if labels.is_complex() or (labels.dtype == torch.bool and task != "multi_label_classification"):
-        raise UsageError(f"--data {source}: 'labels' are not numbers ({got})")
-    if task == "regression":
-        if labels.dim() not in (1, 2) or (labels.dim() == 2 and labels.shape[1] != classes):
-            raise UsageError(
-                f"--data {source}: 'labels' of a regression head with {classes} output(s) must "
-                f"be (N,) or (N, {classes}) numbers, {got}"
-            )
-        bad = (~torch.isfinite(labels.double())).nonzero()
-        if len(bad):
-            where = tuple(int(i) for i in bad[0])
-            raise UsageError(
-                f"--data {source}: 'labels' row {where[0]} holds {float(labels[where]):g}; "
-                "a regression target must be a finite number"
-            )
-    elif task == "multi_label_classification":
-        if labels.dim() != 2 or labels.shape[1] != classes:
-            raise UsageError(
-                f"--data {source}: 'labels' of a multi-label head must be (N, {classes}) "
-                f"0/1 targets, {got}"
-            )
-        outside = ((labels != 0) & (labels != 1)).nonzero()
-        if len(outside):
-            row, col = (int(i) for i in outside[0])
-            raise UsageError(
-                f"--data {source}: 'labels' row {row} holds {float(labels[row, col]):g} for "
-                f"label {col}; a multi-label head's targets are 0 or 1 (binary cross-entropy)"
-            )
-    else:
-        if labels.is_floating_point() or labels.dim() != 1:
-            raise UsageError(
-                f"--data {source}: 'labels' must be a 1-d tensor of class indices (integers), {got}"
-            )
-        check_label_range(labels, classes)
-    n = min(n, len(labels))
-    return [
-        {k: v[s : min(s + batch_size, n)] for k, v in tensors.items()}
-        for s in range(0, n, batch_size)
-    ]
-
-
 def run_measure(args) -> int:
-    from . import distributed as gd
-    from .data import move_batch
-    from .hf import check_weights, load_causal_lm, load_classifier, load_config, resolve_checkpoint
-    from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
-    from .io import dumps, fingerprint, write_json_atomic
-    from .measures import (
-        HESSIAN_TRACES,
-        AverageCase,
-        WorstCase,
-        block_sharpness,
-        hessian_trace,
-        sharpness,
-    )
-    from .measures.problem import floor_message
-    from .symmetry import find_symmetries
+    """``geosharp measure``: every cheap check, the job loaded and checked, each measure
+    written as it is done (resumable), the table."""
+    from .distributed import close
+    from .loading import load_job
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # cheap checks first: arguments, paths, devices
+    plan = _plan(args)
+    job = load_job(args, plan.path, plan.device)
+    say = note if job.rank == 0 else (lambda _message: None)
+    _announce(args, plan, job, say)
+    fit = job.fit
+    header = {
+        "model": str(plan.path),
+        "data": args.data,
+        "seed": args.seed,
+        "settings": plan.settings,
+        "new_parameters": job.new_parameters,
+        "loading": job.loading,
+        "fit": {"loss": fit.loss, "accuracy": fit.accuracy, fit.unit.replace(" ", "_"): fit.n},
+        "symmetries": symmetry_payload(job.symmetries),
+    }
+    results = _measure_each(args, plan, job, header, say)
+    if args.fsdp:  # release the sharded model before the process group ends
+        job.model = None
+        close()
+    if job.rank != 0:
+        return 0
+    table = sys.stderr if args.json == "-" else sys.stdout
+    if args.per:
+        _block_table(results, job.symmetries, table)
+        if args.plot:
+            title = f"{Path(str(args.model)).name} on {Path(args.data).name}"
+            plot_blocks(results, args.plot, title)
+            say(f"wrote {args.plot}")
+    else:
+        _table(results, job.symmetries, table)
+    if args.json == "-":
+        print(dumps({**header, "complete": True, "results": results}))
+    else:
+        _save(args, header, results, complete=True)
+    return 0
+
+
+@dataclass
+class _Plan:
+    """What the checks of a ``measure`` run decided: the measures and radii, the device,
+    the checkpoint, the settings a resume must match and the results it keeps."""
+
+    names: list[str]
+    rhos: dict[str, float]
+    device: torch.device
+    path: Path
+    settings: dict
+    previous: dict
+
+
+def _plan(args) -> _Plan:
+    """Every check that needs no model (arguments, paths, devices, a results file to
+    resume), before anything slow."""
+    from .hf import resolve_checkpoint
+    from .io import fingerprint
+    from .loading import data_kind
+    from .measures import HESSIAN_TRACES
+
     names = measure_names(args.measures)
     rhos = rho_table(args.rho, names)
     device = check_device(args.device)
@@ -517,10 +284,10 @@ def run_measure(args) -> int:
     if args.tokenizer is not None:
         inputs["--tokenizer"] = args.tokenizer
     check_output_path(args.json, protected=inputs, force=args.force)
+    traces = [n for n in names if n in HESSIAN_TRACES]
     if args.plot and not args.per:
         raise UsageError("--plot draws per-block values: add --per layer (or --per module)")
-    if args.per and any(n in HESSIAN_TRACES for n in names):
-        traces = [n for n in names if n in HESSIAN_TRACES]
+    if args.per and traces:
         raise UsageError(f"--per measures sharpness per block; drop {traces[0]} from --measures")
     if args.fsdp:
         if "WORLD_SIZE" not in os.environ:
@@ -528,8 +295,8 @@ def run_measure(args) -> int:
                 "--fsdp shards the model over torchrun's processes: launch with torchrun "
                 "--nproc_per_node=N -m geosharp.cli measure ... (or drop --fsdp)"
             )
-        if args.per or any(n in HESSIAN_TRACES for n in names):
-            what = "--per" if args.per else next(n for n in names if n in HESSIAN_TRACES)
+        if args.per or traces:
+            what = "--per" if args.per else traces[0]
             raise UsageError(f"{what} is not available with --fsdp: drop one of them")
     if args.plot:
         from .plots import check_figure_path, require_matplotlib
@@ -540,190 +307,137 @@ def run_measure(args) -> int:
     settings = run_settings(args, rhos)
     if args.json and args.json != "-":  # a resume refuses data or weights changed since
         data = None if args.data in BUILTIN_DATA else fingerprint(args.data, exclude=args.json)
-        settings["fingerprints"] = {
-            "checkpoint": fingerprint(path, exclude=args.json),
-            "data": data,
-        }
-    previous = resumable(args, settings)
-    config = load_config(path)
-    check_weights(path)
-    batches, loading = load_batches(args, path, config)
-    if not batches:
-        raise UsageError(f"--data {args.data} holds no data points")
+        checkpoint = fingerprint(path, exclude=args.json)
+        settings["fingerprints"] = {"checkpoint": checkpoint, "data": data}
+    return _Plan(names, rhos, device, path, settings, resumable(args, settings))
 
-    rank, world = gd.init()  # under torchrun the batches are split over the ranks
-    say = note if rank == 0 else (lambda _message: None)
-    task = resolve_task(args.task, config)
-    causal = task == CAUSAL_LM
-    loaded = (load_causal_lm if causal else load_classifier)(path, seed=args.seed)
-    loss_fn = causal_lm_loss if causal else task_loss
-    model = loaded.model.to(device)
-    if loaded.new_parameters:
+
+def _announce(args, plan: _Plan, job, say) -> None:
+    """The lines that say how the job was loaded and what was found, before measuring
+    (with ``--strict``, an error where a geodesic value would not be symmetry-correct)."""
+    from .hfdata import CAUSAL_LM
+
+    sym = job.symmetries
+    geodesic = [n for n in plan.names if measure_uses_pairs(n)]
+    if args.strict and geodesic and sym.ignored:
+        _say_symmetry_status(sym, geodesic, True, say)  # raises, before anything
+    if job.new_parameters:
+        head = "LM" if job.task == CAUSAL_LM else "classification"
         say(
-            f"note: {args.model} has no trained {'LM' if causal else 'classification'} head: "
-            f"{', '.join(loaded.new_parameters)} initialised at random (--seed {args.seed}); "
+            f"note: {args.model} has no trained {head} head: "
+            f"{', '.join(job.new_parameters)} initialised at random (--seed {args.seed}); "
             "the values describe that random head"
         )
-    batches = [move_batch(b, device) for b in batches]
-    fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
-    symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
-    n_parameters = sum(p.numel() for p in model.parameters())  # before any sharding
-    if args.fsdp:
-        from .fsdp import shard
-
-        shard(model, symmetries)
-    geodesic = [n for n in names if measure_uses_pairs(n)]
-    if args.strict and geodesic and symmetries.ignored:
-        _say_symmetry_status(symmetries, geodesic, True, say)  # raises, before anything
-    for line in [*loading, str(fit)]:
+    for line in [*job.loading, str(job.fit)]:
         say(line)
-    n_pairs = sum(p.shape[0] for p in symmetries.pairs)
-    checked = sum(1 for p in symmetries.pairs if p.name in symmetries.verified)
-    unknown = [u for u in symmetries.unrecognized if u not in symmetries.attention]
+    n_pairs = sum(p.shape[0] for p in sym.pairs)
+    checked = sum(1 for p in sym.pairs if p.name in sym.verified)
+    unknown = [u for u in sym.unrecognized if u not in sym.attention]
+    points = sum(len(next(iter(b.values()))) for b in job.batches)
     say(
-        f"{path}: {n_parameters:,} parameters, {n_pairs} pairs "
-        f"in {len(symmetries.attention)} attention modules"
+        f"{plan.path}: {job.n_parameters:,} parameters, {n_pairs} pairs "
+        f"in {len(sym.attention)} attention modules"
         + (f" ({len(unknown)} more not understood)" if unknown else "")
-        + f", {checked} of {len(symmetries.pairs)} pair blocks verified; "
-        f"{sum(len(next(iter(b.values()))) for b in batches)} points in {len(batches)} batches "
-        f"on {device}"
-        + (f", {world} processes" if world > 1 else "")
+        + f", {checked} of {len(sym.pairs)} pair blocks verified; "
+        f"{points} points in {len(job.batches)} batches on {plan.device}"
+        + (f", {job.world} processes" if job.world > 1 else "")
         + (" (the model sharded with FSDP2)" if args.fsdp else "")
     )
-    _say_symmetry_status(symmetries, geodesic, args.strict, say)
+    _say_symmetry_status(sym, geodesic, args.strict, say)
 
-    header = {
-        "model": str(path),
-        "data": args.data,
-        "seed": args.seed,
-        "settings": settings,
-        "new_parameters": loaded.new_parameters,
-        "loading": loading,
-        "fit": {"loss": fit.loss, "accuracy": fit.accuracy, fit.unit.replace(" ", "_"): fit.n},
-        "symmetries": symmetry_payload(symmetries),
-    }
-    done = {r["measure"]: r for r in previous.get("results", [])}
+
+def _measure_each(args, plan: _Plan, job, header: dict, say) -> list[dict]:
+    """Each measure in turn (those a resumed file holds are kept), the results file
+    rewritten after each: a kill loses at most one."""
+    from .measures import HESSIAN_TRACES
+
+    done = {r["measure"]: r for r in plan.previous.get("results", [])}
     if done:
         say(f"resuming {args.json}: {', '.join(done)} already measured")
     results = []
-
-    def save(complete: bool) -> None:  # after each measure: a kill loses at most one
-        if rank == 0 and args.json and args.json != "-":
-            payload = {**header, "complete": complete, "results": results}
-            write_json_atomic(args.json, payload, strict=True)
-
     # the lines above said what is not symmetry-correct: no Python warning repeats it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SymmetryWarning)
         warnings.simplefilter("ignore", PrecisionWarning)
-        estimator = (
-            AverageCase(args.n_samples) if args.kind == "average" else WorstCase(args.n_iters)
-        )
-        for name in names:
+        for name in plan.names:
             if name in done:
                 results.append(done[name])
                 continue
             start = time.perf_counter()
-            if name in HESSIAN_TRACES:  # no radius, no autocast; every process computes it
-                trace = hessian_trace(
-                    model,
-                    batches,
-                    loss_fn,
-                    HESSIAN_TRACES[name],
-                    n_probes=args.n_probes,
-                    seed=args.seed,
-                    symmetries=symmetries,
-                    progress=not args.quiet and rank == 0,
-                )
-                row = trace.to_dict()
-                row.update(measure=name, rho=None, seconds=time.perf_counter() - start)
-                results.append(row)
-                save(False)
-                continue
-            try:
-                options = dict(
-                    seed=args.seed,
-                    symmetries=symmetries,
-                    progress=not args.quiet and rank == 0,
-                    autocast_dtype=autocast_dtype(args.autocast),
-                    distributed=world > 1 and not args.fsdp,
-                    strict=args.strict,
-                    nonfinite=args.nonfinite,
-                )
-                if args.per:
-                    options["per"] = args.per
-                measure = block_sharpness if args.per else sharpness
-                result = measure(model, batches, loss_fn, name, rhos[name], estimator, **options)
-            except FloatingPointError as err:  # the user's radius or model, not our bug
-                raise UsageError(
-                    str(err)
-                    .replace("lower rho", f"lower --rho (now {rhos[name]:g})")
-                    .replace("(nonfinite='inf')", "(--nonfinite inf)")
-                ) from None
-            row = result.to_dict()
+            measure = _trace_row if name in HESSIAN_TRACES else _sharpness_row
+            row = measure(args, plan, job, name, say)
             row.update(measure=name, seconds=time.perf_counter() - start)
-            parts = (  # what the round-off floor is checked on: the measure or each block
-                [(f"{name} [{block}]", r) for block, r in result.blocks.items()]
-                if args.per
-                else [(name, result)]
-            )
-            near = [
-                m
-                for label, r in parts
-                if (m := floor_message(label, r.rho, r.value, r.floor, r.settings["precision"]))
-            ]
-            if args.per:  # the whole row of a block measure: its blocks
-                first = next(iter(result.blocks.values()))
-                row.update(rho=first.rho, loss=first.loss, geometry=first.geometry)
-                result = _Broken([w for b in result.blocks.values() for w in b.nonfinite])
             results.append(row)
-            save(False)
-            if near:  # in the command line's words
-                more = f" (and {len(near) - 1} more blocks)" if len(near) > 1 else ""
-                say(
-                    "warning: "
-                    + near[0]
-                    .replace("(no autocast)", "(no --autocast)")
-                    .replace(
-                        "in float64 or with a larger rho",
-                        "with a larger --rho (float64: the Python API)",
-                    )
-                    .replace("larger rho", "larger --rho")
-                    + more
-                )
-            if result.nonfinite:
-                say(
-                    f"note: {name} is inf: a perturbed loss is not finite in "
-                    f"{len(result.nonfinite)} place(s), first {result.nonfinite[0]}; "
-                    "lower --rho for a finite value"
-                )
-    results += [r for n, r in done.items() if n not in names]  # kept, not measured again
-    if args.fsdp:  # release the sharded model before the process group ends
-        del model, loaded
-        gd.close()
-    if rank != 0:
-        return 0
-
-    table = sys.stderr if args.json == "-" else sys.stdout
-    if args.per:
-        _block_table(results, symmetries, table)
-        if args.plot:
-            plot_blocks(
-                results, args.plot, f"{Path(str(args.model)).name} on {Path(args.data).name}"
-            )
-            say(f"wrote {args.plot}")
-    else:
-        _table(results, symmetries, table)
-    if args.json == "-":
-        print(dumps({**header, "complete": True, "results": results}))
-    else:
-        save(True)
-    return 0
+            _save(args, header, results, complete=False, rank=job.rank)
+    return results + [r for n, r in done.items() if n not in plan.names]  # kept
 
 
-@dataclass
-class _Broken:
-    nonfinite: list[str]
+def _trace_row(args, plan: _Plan, job, name: str, say) -> dict:
+    """A Hessian trace: no radius, no autocast; every process computes it."""
+    from .measures import HESSIAN_TRACES, hessian_trace
+
+    trace = hessian_trace(
+        job.model, job.batches, job.loss_fn, HESSIAN_TRACES[name], n_probes=args.n_probes,
+        seed=args.seed, symmetries=job.symmetries, progress=not args.quiet and job.rank == 0,
+    )  # fmt: skip
+    return {**trace.to_dict(), "rho": None}
+
+
+def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
+    """One sharpness measure (or, ``--per``, one per block), with what the command line
+    says of its round-off floor and of non-finite losses."""
+    from .measures import AverageCase, WorstCase, block_sharpness, sharpness
+    from .measures.problem import NonFiniteError, floor_message
+
+    estimator = AverageCase(args.n_samples) if args.kind == "average" else WorstCase(args.n_iters)
+    options = dict(
+        seed=args.seed, symmetries=job.symmetries, progress=not args.quiet and job.rank == 0,
+        autocast_dtype=autocast_dtype(args.autocast), strict=args.strict,
+        distributed=job.world > 1 and not args.fsdp, nonfinite=args.nonfinite,
+    )  # fmt: skip
+    rho = plan.rhos[name]
+    try:
+        if args.per:
+            result = block_sharpness(*job_args(job), name, rho, estimator, per=args.per, **options)
+        else:
+            result = sharpness(*job_args(job), name, rho, estimator, **options)
+    except NonFiniteError as err:  # the user's radius or model, not our bug
+        raise UsageError(err.message(f"--rho (now {rho:g})", "--nonfinite inf")) from None
+    row = result.to_dict()
+    parts = [(f"{name} [{b}]", r) for b, r in result.blocks.items()] if args.per else []
+    parts = parts or [(name, result)]  # the floor is checked on the measure or each block
+    near = [
+        m
+        for label, r in parts
+        if (m := floor_message(label, r.rho, r.value, r.floor, r.settings["precision"], True))
+    ]
+    if near:
+        more = f" (and {len(near) - 1} more blocks)" if len(near) > 1 else ""
+        say("warning: " + near[0] + more)
+    broken = [w for _, r in parts for w in r.nonfinite]
+    if args.per:  # the whole row of a block measure: its blocks
+        first = parts[0][1]
+        row.update(rho=first.rho, loss=first.loss, geometry=first.geometry)
+    if broken:
+        say(
+            f"note: {name} is inf: a perturbed loss is not finite in {len(broken)} place(s), "
+            f"first {broken[0]}; lower --rho for a finite value"
+        )
+    return row
+
+
+def job_args(job) -> tuple:
+    """``(model, batches, loss_fn)`` of a job."""
+    return job.model, job.batches, job.loss_fn
+
+
+def _save(args, header: dict, results: list, complete: bool, rank: int = 0) -> None:
+    """The results file, written atomically (on the first process)."""
+    from .io import write_json_atomic
+
+    if rank == 0 and args.json and args.json != "-":
+        payload = {**header, "complete": complete, "results": results}
+        write_json_atomic(args.json, payload, strict=True)
 
 
 def _table(results: list[dict], symmetries, table) -> None:

@@ -287,6 +287,7 @@ def _endpoint_preset():
         primary={"adaptive": 2.0, "geodesic-inv": 0.5, "geodesic-mix": 2.0},
         secondary={"geodesic-norm-only-inv": "geodesic-inv", "adaptive-attn": "adaptive"},
         average_case=("geodesic-mix",),
+        average_samples=2,
         traces=("hessian-trace-inv",),
         trace_probes=3,
     )

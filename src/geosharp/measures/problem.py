@@ -41,6 +41,7 @@ __all__ = [
     "LossGrad",
     "Measurement",
     "MixedPrecision",
+    "NonFiniteError",
     "Target",
     "autocast_for",
     "batch_seed",
@@ -60,12 +61,27 @@ __all__ = [
 ]
 
 
+class NonFiniteError(FloatingPointError):
+    """A perturbed loss that is not finite: the radius reaches where the model breaks
+    down. Its fields (``label``, ``rho``, ``where``: the first place) let a front end say
+    it in its own words (:meth:`message`)."""
+
+    def __init__(self, label: str, rho: float, where: list[str]):
+        self.label, self.rho, self.where = label, rho, list(where)
+        super().__init__(self.message())
+
+    def message(self, rho: str = "rho", inf: str = "nonfinite='inf'") -> str:
+        """The error, with ``rho`` and ``inf`` spelling how to lower the radius and how
+        to report ``inf`` instead."""
+        return (
+            f"{self.label} at rho={self.rho:g}: a perturbed loss is not finite "
+            f"({self.where[0]}): the radius reaches where the model breaks down and the value "
+            f"is no finite number; lower {rho}, or report it as inf ({inf})"
+        )
+
+
 def nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
-    raise FloatingPointError(
-        f"{label} at rho={rho:g}: a perturbed loss is not finite ({broken[0]}): the radius "
-        "reaches where the model breaks down and the value is no finite number; lower rho, "
-        "or report it as inf (nonfinite='inf')"
-    )
+    raise NonFiniteError(label, rho, broken)
 
 
 @contextlib.contextmanager
@@ -97,19 +113,26 @@ def matmuls(device: torch.device, precision: str, settings: dict):
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
-def floor_message(label: str, rho: float, value: float, floor: float, precision: str):
+def floor_message(
+    label: str, rho: float, value: float, floor: float, precision: str, cli: bool = False
+):
     """What to say of a ``value`` within 10x of the loss's round-off ``floor`` (``None``
-    when it is not)."""
+    when it is not); ``cli``: in the command line's words."""
     if not (math.isfinite(value) and floor > 0 and abs(value) < 10 * floor):
         return None
+    larger = "a larger --rho" if cli else "a larger rho"
+    if "autocast" in precision:
+        fix = f"measure in float32 ({'no --autocast' if cli else 'no autocast'}) or with {larger}"
+    else:
+        fix = (
+            f"measure with {larger} (float64: the Python API)"
+            if cli
+            else (f"measure in float64 or with {larger}")
+        )
     return (
         f"{label} at rho={rho:g} is {value:.3g}, within 10x of the round-off floor of the loss "
         f"in {precision} ({floor:.2g}): the perturbation is near what this precision can see; "
-        + (
-            "measure in float32 (no autocast) or with a larger rho"
-            if "autocast" in precision
-            else "measure in float64 or with a larger rho"
-        )
+        + fix
     )
 
 

@@ -22,6 +22,12 @@ them (:class:`Mixing`), and mixed features times a weight are *consumed*
 (:class:`Consumption`). The events are turned into ``GL`` pairs by
 :mod:`geosharp.symmetry.assemble`; nothing here decides what a symmetry is.
 
+Which rule an op gets is a table, :data:`FAMILIES`: each family of ops (movement, sums,
+products, contractions, reductions, nonlinear ops, ...) declared once with its rule;
+an op the table does not name is opaque, and the features entering it are tainted as
+uncertain. With ``GEOSHARP_STRICT_TRACE=1`` (the tests) an error inside a rule is
+raised instead of being read as an opaque op.
+
 The trace runs on real tensors or, for a model on the ``meta`` device, on its meta
 tensors (a value that Python code reads, ``if mask.all():``, is 0 / ``False``) or fake
 ones: shadows are small CPU tensors either way, and parameters are never listed
@@ -34,7 +40,7 @@ import contextlib
 import math
 import os
 import string
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -345,6 +351,93 @@ _CONDITIONS = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Family:
+    """A family of ops and the rule that shadows their outputs: ``rule(tracer, op)``.
+    ``constants_too``: the rule runs even when no input holds features or parameters
+    (otherwise such an op gives a constant, or nothing)."""
+
+    name: str
+    ops: frozenset[str]
+    rule: Callable[[Tracer, Op], None]
+    constants_too: bool = False
+
+
+@dataclass
+class Op:
+    """One call the trace sees: the function, its name, arguments and result, the
+    tensors of the result and the shadows of the floating inputs."""
+
+    func: object
+    name: str
+    args: tuple
+    kwargs: dict
+    out: object
+    outs: list[Tensor]
+    shadows: list
+
+
+def _like(tracer: Tracer, op: Op) -> None:
+    for t in op.outs:
+        tracer._set(t, CONST)
+
+
+def _reduction(tracer: Tracer, op: Op) -> None:
+    if isinstance(op.shadows[0] if op.shadows else None, Feat):
+        tracer._reduce(op.name, op.args, op.kwargs, op.outs, op.shadows)
+    else:
+        tracer._generic(op.name, op.outs, op.shadows, certain=op.name in _NONLINEAR)
+
+
+# Each op family once, with its rule; an op the table does not name is opaque (its
+# features are tainted as uncertain), and an op in two families is an error here.
+FAMILIES = (
+    Family("query", frozenset(_QUERIES), lambda tr, op: None, constants_too=True),
+    Family(
+        "contraction",
+        frozenset(_CONTRACTIONS),
+        lambda tr, op: tr._contraction(op.name, op.args, op.kwargs, op.out),
+        constants_too=True,
+    ),
+    Family("lookup", frozenset(_NOT_ACTIVATIONS), lambda tr, op: None, constants_too=True),
+    Family("shape-only", frozenset(_LIKE), _like, constants_too=True),
+    Family("write", frozenset({"__setitem__"}), lambda tr, op: tr._setitem(op.args)),
+    Family(
+        "movement",
+        frozenset(_MOVE | _SAME),
+        lambda tr, op: tr._move(op.func, op.name, op.args, op.kwargs, op.out, op.shadows),
+    ),
+    Family("sum", frozenset(_ADD), lambda tr, op: tr._add(op.args, op.out)),
+    Family(
+        "product", frozenset(_MUL), lambda tr, op: tr._mul(op.name, op.args, op.out, op.shadows)
+    ),
+    Family(
+        "select",
+        frozenset({"where"}),
+        lambda tr, op: tr._where(op.args, op.kwargs, op.out, op.shadows),
+    ),
+    Family("reduction", frozenset(_TOKEN_LINEAR), _reduction),
+    Family(
+        "nonlinear",
+        frozenset((_NONLINEAR - _TOKEN_LINEAR) | {"masked_fill", "masked_fill_"}),
+        lambda tr, op: tr._generic(op.name, op.outs, op.shadows, certain=True),
+    ),
+)
+RULES: dict[str, Family] = {}
+for _family in FAMILIES:
+    _twice = _family.ops & RULES.keys()
+    assert not _twice, f"{sorted(_twice)} in two op families"
+    RULES.update(dict.fromkeys(_family.ops, _family))
+OPAQUE = Family(
+    "opaque", frozenset(), lambda tr, op: tr._generic(op.name, op.outs, op.shadows, certain=False)
+)
+
+
+def _is_attention_kernel(name: str) -> bool:
+    """``scaled_dot_product_attention`` and its variants (not their backward)."""
+    return "scaled_dot_product" in name and "attention" in name and "backward" not in name
+
+
 _NAMES: dict[object, str] = {}
 
 
@@ -556,13 +649,15 @@ class Tracer:
     # -- dispatch --------------------------------------------------------------------------
 
     def after(self, func, args, kwargs, out) -> None:
+        """Shadow the result of one op by its family's rule (:data:`FAMILIES`)."""
         name = _name(func)
-        if name in _QUERIES:
+        family = RULES.get(name, OPAQUE)
+        if family.name == "query":
             return
         outs = _tensors(out)
-        if not outs and name != "__setitem__":
-            return
-        if name != "__setitem__" and not any(t.is_floating_point() or t.is_complex() for t in outs):
+        if family.name != "write" and not any(
+            t.is_floating_point() or t.is_complex() for t in outs
+        ):
             return  # indices and masks (argmax, comparisons) carry no features
         inputs = _tensors((args, kwargs))
         for t in inputs:
@@ -571,36 +666,15 @@ class Tracer:
                 where = self._stack[-1] if self._stack else "<loss>"
                 self.trace.uses.setdefault(self.trace.params[index], set()).add(where)
         shadows = [self.shadow(t) for t in inputs if t.is_floating_point() or t.is_complex()]
-        if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
+        op = Op(func, name, args, kwargs, out, outs, shadows)
+        if _is_attention_kernel(name):
             return self._sdpa(args, kwargs, out)
-        if name in _CONTRACTIONS:
-            return self._contraction(name, args, kwargs, out)
-        if name in _NOT_ACTIVATIONS:
-            return
-        if name in _LIKE:
-            for t in outs:
-                self._set(t, CONST)
-            return
-        if all(s is None for s in shadows):
+        if not family.constants_too and all(s is None for s in shadows):
             if not inputs:  # a factory: constant
                 for t in outs:
                     self._set(t, CONST)
             return
-        if name == "__setitem__":
-            return self._setitem(args)
-        if name in _MOVE or name in _SAME:
-            return self._move(func, name, args, kwargs, out, shadows)
-        if name in _ADD:
-            return self._add(args, out)
-        if name in _MUL:
-            return self._mul(name, args, out, shadows)
-        if name == "where":
-            return self._where(args, kwargs, out, shadows)
-        if name in _TOKEN_LINEAR and isinstance(shadows[0] if shadows else None, Feat):
-            return self._reduce(name, args, kwargs, outs, shadows)
-        if name in ("masked_fill", "masked_fill_"):
-            return self._generic(name, outs, shadows, certain=True)
-        self._generic(name, outs, shadows, certain=name in _NONLINEAR)
+        family.rule(self, op)
 
     def _generic(self, name, outs, shadows, certain: bool) -> None:
         if any(s is SCORE for s in shadows):

@@ -190,6 +190,7 @@ def _measure_one(preset: ZooPreset, hp: dict, path: Path, zdir: Path, grid: dict
             seed=preset.seed,
             complete=False,
             trace_probes=preset.trace_probes,
+            average_samples=preset.average_samples,
             **kwargs,
         )
 
@@ -205,6 +206,7 @@ def measure_grid(
     seed: int,
     complete: bool = True,
     trace_probes: int = 30,
+    average_samples: int = 10,
     **sharpness_kwargs,
 ) -> dict:
     """Fill ``record["measures"][key][repr(rho)]`` (value, per-batch values, loss,
@@ -212,7 +214,7 @@ def measure_grid(
     ``path`` atomically after each; then (``complete``) mark the record complete.
 
     A key is a measure's name (worst case, ``n_iters`` Auto-PGD steps),
-    ``"<name>/average"`` (its average case, :class:`~geosharp.AverageCase`), or a
+    ``"<name>/average"`` (its average case over ``average_samples`` directions), or a
     Hessian trace of :data:`~geosharp.measures.HESSIAN_TRACES` (``trace_probes``
     probes; its one "radius" is 0, and it keeps ``stderr`` and ``per_probe``). A radius
     where a perturbed loss is not finite is recorded as ``inf`` (the endpoints leave
@@ -252,7 +254,7 @@ def measure_grid(
                 write_json_atomic(path, record)
             continue
         name, _, kind = key.partition("/")
-        estimator = AverageCase() if kind == "average" else WorstCase(n_iters)
+        estimator = AverageCase(average_samples) if kind == "average" else WorstCase(n_iters)
         for rho in radii:
             if repr(rho) in per_rho:
                 continue

@@ -81,8 +81,10 @@ class ZooPreset:
     # secondary measure -> the main measure at whose primary radius it is measured (the
     # ablations and attention-only variants: the same radius as the full measure)
     secondary: dict[str, str] = field(default_factory=dict)
-    # main measures also measured in the average case at their primary radius
+    # main measures also measured in the average case at their primary radius, over
+    # this many random directions per batch
     average_case: tuple[str, ...] = ()
+    average_samples: int = 10
     # Hessian traces (geosharp.measures.HESSIAN_TRACES) in the secondary pass, and the
     # Hutchinson probes of each
     traces: tuple[str, ...] = ()
