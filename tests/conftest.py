@@ -9,6 +9,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GEOSHARP_STRICT_TRACE", "1")  # a tracer bug fails the test
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker: no oversubscription
+    torch.set_num_threads(1)
 
 from zoo import ARCHITECTURES, CASES
 

@@ -804,8 +804,9 @@ def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
     shared = json.loads(run_python([*base, "--json", "-", "--quiet"], 2))
     for a, b in zip(single["results"], shared["results"]):
         assert a["per_batch"] == b["per_batch"] and a["value"] == b["value"]
-    bf16 = json.loads(run_python([*base, "--json", "-", "--autocast", "bf16"], 1))
-    row = bf16["results"][0]
+    out = tmp_path / "bf16.json"
+    assert main([*base[2:], "--json", str(out), "--autocast", "bf16", "--quiet"]) == 0
+    row = json.loads(out.read_text())["results"][0]
     assert row["settings"]["autocast"] == "bfloat16" and math.isfinite(row["value"])
 
 

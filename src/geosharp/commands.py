@@ -605,19 +605,17 @@ def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> 
     if not ignored or not geodesic:
         return
     first, drops = next(iter(ignored.items()))
+    marked = (
+        "without --strict the geodesic values would be" if strict else "the geodesic values are"
+    )
     message = (
         f"{len(ignored)} attention module{'s' * (len(ignored) != 1)} would be measured "
         f"element-wise because their symmetry is not understood ({first}: {drops[0].kind}: "
-        f"{drops[0].reason}); the geodesic values are marked '(partial)' or '(no pairs)'; "
+        f"{drops[0].reason}); {marked} marked '(partial)' or '(no pairs)'; "
         "see geosharp symmetries MODEL"
     )
     if strict:
-        raise UsageError(
-            message.replace(
-                "the geodesic values are marked",
-                "without --strict the geodesic values would be marked",
-            )
-        )
+        raise UsageError(message)
     say("warning: " + message)
 
 

@@ -43,6 +43,7 @@ single process, so one script serves both cases.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -122,8 +123,20 @@ def close() -> None:
 
 
 def _destroy() -> None:
-    if is_distributed():
-        dist.destroy_process_group()
+    """At exit: every process waits for the others (gloo: at most a minute, so that a
+    process that failed does not hold the rest) before the group is destroyed; a process
+    that tears its connections down while another still uses them can abort
+    (``terminate called without an active exception``)."""
+    if not is_distributed():
+        return
+    import gc
+    from datetime import timedelta
+
+    gc.collect()
+    if dist.get_backend() == "gloo":
+        with contextlib.suppress(Exception):  # a process that failed: destroy anyway
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+    dist.destroy_process_group()
 
 
 def device(spec: str | torch.device | None = "auto") -> torch.device:
