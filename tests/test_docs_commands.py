@@ -44,9 +44,14 @@ def test_the_docs_have_commands():
 
 @pytest.mark.parametrize("where, argv", CASES, ids=[f"{w}:{' '.join(a)[:60]}" for w, a in CASES])
 def test_every_documented_command_parses(where, argv):
+    from geosharp.cli import KNOWN_PLUGINS
+
     argv = [w.split("|")[0] if w != "..." else "PATH" for w in argv]  # clip|bert: one
+    parser = build_parser()
+    if argv[0] in KNOWN_PLUGINS and argv[0] not in parser.commands:
+        pytest.skip(f"'{argv[0]}' comes with the studies package (studies/), not installed")
     try:
-        build_parser().parse_args(argv)
+        parser.parse_args(argv)
     except SystemExit as exit:
         assert exit.code == 0, (where, argv)  # --help
 
