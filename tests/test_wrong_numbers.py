@@ -161,19 +161,6 @@ def test_symmetries_loads_the_checkpoint_as_saved(tmp_path, capsys):
     assert "model.decoder.layers.0.self_attn" in out and "encoder.layers" not in out
 
 
-def test_clip_paper_driver_checks_every_fine_tune_before_measuring(tmp_path, capsys):
-    """A fine-tune directory without its head was a FileNotFoundError traceback."""
-    from geosharp.cli import main
-
-    (tmp_path / "ft" / "finetune-0").mkdir(parents=True)
-    (tmp_path / "ft" / "finetune-0" / "config.json").write_text("{}")
-    argv = ["study", "paper", "clip", "--checkpoints", str(tmp_path / "ft"),
-            "--data", str(tmp_path), "--out", str(tmp_path / "out")]  # fmt: skip
-    assert main(argv) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "no classification_head.safetensors" in err[0], err
-
-
 def test_class_folders_are_read_at_any_depth_and_never_dropped(tmp_path):
     """``apple/batch1/*.png``: apple's images were left out without a word."""
     import numpy as np

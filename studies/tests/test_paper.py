@@ -396,3 +396,16 @@ def test_imagenet_classes_are_matched_by_wnid(tmp_path, fake_imagenet):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="no class folders"):
         paper.imagenet_class_ids(tmp_path / "empty", 3)
+
+
+def test_clip_paper_driver_checks_every_fine_tune_before_measuring(tmp_path, capsys):
+    """A fine-tune directory without its head was a FileNotFoundError traceback."""
+    from geosharp.cli import main
+
+    (tmp_path / "ft" / "finetune-0").mkdir(parents=True)
+    (tmp_path / "ft" / "finetune-0" / "config.json").write_text("{}")
+    argv = ["study", "paper", "clip", "--checkpoints", str(tmp_path / "ft"),
+            "--data", str(tmp_path), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "no classification_head.safetensors" in err[0], err

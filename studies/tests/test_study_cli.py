@@ -5,15 +5,7 @@ import pytest
 
 from geosharp.cli import main
 from geosharp.errors import UsageError
-
-
-def _one_line_error(capsys, code: int) -> str:
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert len(lines) == 1, captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return lines[0]
+from test_usage import _one_line_error
 
 
 @pytest.mark.parametrize(

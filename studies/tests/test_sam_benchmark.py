@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "sam_benchmark.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sam_benchmark.py"
 
 
 @pytest.fixture(scope="module")
