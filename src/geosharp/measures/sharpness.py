@@ -273,12 +273,10 @@ def sharpness(
         mixed.active() if mixed is not None else contextlib.nullcontext(),
         steps,  # the bar is cleared even when a batch raises
     ):
-        m = _measurement(model, loss_fn, target, geo, rho, seed, low_memory, mixed, sharded)
-        m.autocast, m.mask = autocast_for(target.device, autocast_dtype), None
-        if autocast_dtype is not None:
-            m.floor_dtype = None
-        if entries is not None:
-            m.mask = entry_mask(m.space, target.layout, entries)
+        m = _measurement(
+            model, loss_fn, target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
+        )
+        m.mask = None if entries is None else entry_mask(m.space, target.layout, entries)
         m.steps = steps if steps.enabled else None
         m.callback = _counting(steps, callback) if steps.enabled else callback
         for index, batch in numbered(batches, max_batches, False, geo.name, total):
@@ -361,9 +359,12 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
     )
 
 
-def _measurement(model, loss_fn, target: Target, geo, rho, seed, low_memory, mixed, sharded):
-    """The :class:`Measurement` of ``target``: its space, and its loss on the model
-    (float32 copies where a half-precision model is measured in float32)."""
+def _measurement(
+    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
+) -> Measurement:
+    """The :class:`Measurement` of ``target``: its space, and its loss on the model in
+    the precision asked for (float32 copies where a half-precision model is measured in
+    float32; under autocast the floor is measured against float32)."""
     space = PerturbationSpace(
         target.theta, target.layout, target.pairs, geo, cache_scale=not low_memory,
         shards=target.shards,
@@ -379,8 +380,9 @@ def _measurement(model, loss_fn, target: Target, geo, rho, seed, low_memory, mix
     # the rest of a half-precision model computes in its own precision
     floor_dtype = mixed.half if mixed is not None else target.dtype
     return Measurement(
-        evaluate, space, target.layout, theta, rho, seed, contextlib.nullcontext, floor_dtype,
-        sharded, low_memory=low_memory,
+        evaluate, space, target.layout, theta, rho, seed,
+        autocast_for(target.device, autocast_dtype),
+        None if autocast_dtype is not None else floor_dtype, sharded, low_memory=low_memory,
     )  # fmt: skip
 
 
