@@ -395,12 +395,12 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
         autocast_dtype=autocast_dtype(args.autocast), strict=args.strict,
         distributed=job.world > 1 and not args.fsdp, nonfinite=args.nonfinite,
     )  # fmt: skip
-    rho = plan.rhos[name]
+    rho, on = plan.rhos[name], (job.model, job.batches, job.loss_fn)
     try:
         if args.per:
-            result = block_sharpness(*job_args(job), name, rho, estimator, per=args.per, **options)
+            result = block_sharpness(*on, name, rho, estimator, per=args.per, **options)
         else:
-            result = sharpness(*job_args(job), name, rho, estimator, **options)
+            result = sharpness(*on, name, rho, estimator, **options)
     except NonFiniteError as err:  # the user's radius or model, not our bug
         raise UsageError(err.message(f"--rho (now {rho:g})", "--nonfinite inf")) from None
     row = result.to_dict()
@@ -424,11 +424,6 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
             f"first {broken[0]}; lower --rho for a finite value"
         )
     return row
-
-
-def job_args(job) -> tuple:
-    """``(model, batches, loss_fn)`` of a job."""
-    return job.model, job.batches, job.loss_fn
 
 
 def _save(args, header: dict, results: list, complete: bool, rank: int = 0) -> None:
