@@ -315,3 +315,31 @@ def test_a_parameter_in_pairs_of_two_layouts_is_dropped_and_said():
     assert not sym.complete
     assert any("no joint pair" in d.reason for d in sym.dropped)
     assert_unchanged(model, before)
+
+
+def test_hugging_face_gradient_checkpointing_is_measured_as_it_is():
+    """``gradient_checkpointing_enable()`` on a Hugging Face model: transformers
+    checkpoints its layers only in training mode, so a measure (eval mode) runs the plain
+    forward and gets the values of the same model without it; discovery finds the same
+    verified pairs, and the model is left in training mode with checkpointing on."""
+    from geosharp.measures import hessian_trace
+
+    plain, inputs, loss = build_hf("llama")
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train()
+    before = snapshot(ckpt)
+    found = [find_symmetries(m, inputs, loss_fn=loss) for m in (plain, ckpt)]
+    assert [len(s.pairs) for s in found] == [len(found[0].pairs)] * 2 and found[1].complete
+    assert sorted(found[0].verified) == sorted(found[1].verified)
+    for measure in ("adaptive", "geodesic-inv"):
+        values = [
+            geosharp.sharpness(m, [inputs], loss, measure, 0.1, geosharp.WorstCase(2)).value
+            for m in (plain, ckpt)
+        ]
+        assert values[0] == pytest.approx(values[1], rel=1e-12), measure
+    traces = [hessian_trace(m, [inputs], loss, "geodesic-inv", n_probes=2).value
+              for m in (plain, ckpt)]  # fmt: skip
+    assert traces[0] == pytest.approx(traces[1], rel=1e-10)
+    assert ckpt.training and ckpt.is_gradient_checkpointing
+    assert_unchanged(ckpt, before)
