@@ -94,3 +94,14 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
         ran += 1
     capsys.readouterr()
     assert ran == 8 and json.loads(Path("out.json").read_text())["complete"] is True
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """The README and docs/*.md link each other (and the results): no link is dead."""
+    dead = [
+        (path.relative_to(ROOT).as_posix(), target)
+        for path in [*DOCS, ROOT / "studies" / "README.md"]
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
+        if not target.startswith("http") and not (path.parent / target).exists()
+    ]
+    assert not dead, dead
