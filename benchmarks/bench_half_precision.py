@@ -29,8 +29,8 @@ def one(mode: str) -> dict:
 
     warnings.simplefilter("ignore")
     if mode == "whole-float32":  # the path geosharp takes where it cannot cast modules alone
-        module = importlib.import_module("geosharp.measures.sharpness")
-        module._MixedPrecision.plan = classmethod(lambda cls, *args: None)
+        module = importlib.import_module("geosharp.measures.problem")
+        module.MixedPrecision.plan = classmethod(lambda cls, *args: None)
     torch.manual_seed(0)
     torch.set_num_threads(2)
     shape = dict(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)

@@ -105,3 +105,27 @@ def test_geodesic_sam_on_a_sharded_model_takes_the_one_process_steps(runs, nproc
     for measure, (worst, moved) in runs[nproc]["results"][name].items():
         assert moved > 1e-4, measure  # the steps moved the weights
         assert worst <= 1e-10, (measure, worst)
+
+
+def test_the_docs_show_the_committed_bfloat16_benchmark():
+    """docs/performance.md's tables of the 1.1B bfloat16 LLaMA are
+    ``benchmarks/bench_llama_bf16.py --report`` of the committed output."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench", root / "benchmarks/bench_llama_bf16.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = json.loads((root / "docs/results/llama_bf16/bench.json").read_text())
+    assert [r["mode"] for r in rows] == ["step", "adaptive-attn", "geodesic-inv-attn"]
+    assert bench.report(rows) in (root / "docs/performance.md").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    adaptive, geodesic = rows[1], rows[2]
+    assert (
+        f"took {adaptive['buffers_beyond_step']:.1f} (adaptive) and "
+        f"{geodesic['buffers_beyond_step']:.1f} (geodesic `inv`) float32" in readme
+    )
+    assert (
+        f"{adaptive['step_over_forward_backward']:.2f}x and "
+        f"{geodesic['step_over_forward_backward']:.2f}x a forward+backward per step" in readme
+    )

@@ -1,0 +1,194 @@
+"""A LLaMA-shaped model of about 1B parameters in bfloat16, measured attention-only on
+the CPU: memory in float32 buffers of the perturbed parameters, and time per Auto-PGD
+step against one forward+backward.
+
+    python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128]
+
+The shape is TinyLlama-1.1B's (22 layers, width 2048, 32 query and 4 key/value heads,
+MLP 5632, vocabulary 32,000), random weights in bfloat16, one batch of ``--tokens``
+tokens. Each row runs in a process of its own (2 threads): ``step`` is the training
+step the measure is compared with (forward and backward, gradients of the attention
+parameters only); ``adaptive-attn`` and ``geodesic-inv-attn`` measure 3 Auto-PGD steps.
+Reported: the growth of the peak resident size over the loaded model, the measure's
+growth beyond the step's in float32 vectors of the perturbed parameters, and the median
+time between two evaluations of the measure over the step's time. Run on a quiet
+machine; one FSDP2 run is not possible yet (half-precision shards are refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _model(tokens: int):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.eval()
+    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
+    return model, ids, attention
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def one(mode: str, tokens: int) -> dict:
+    import warnings
+
+    import torch
+
+    import geosharp
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(2)
+    model, ids, attention = _model(tokens)
+    sizes = dict(model.named_parameters())
+    perturbed = sum(sizes[n].numel() for n in attention)
+
+    def loss(m, batch):
+        return m(input_ids=batch, labels=batch).loss.float()
+
+    loaded = _rss_mib()
+    row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
+    row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded)
+    if mode == "step":
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in attention)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            loss(model, ids).backward()
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        row.update(seconds=statistics.median(times), peak_growth_mib=_rss_mib() - loaded)
+        return row
+    stamps = []
+
+    def callback(event, i, iterate):
+        if event == "evaluated":
+            stamps.append(time.perf_counter())
+
+    estimator = geosharp.WorstCase(n_iters=3)
+    result = geosharp.sharpness(model, [ids], loss, mode, None, estimator, callback=callback)
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    row.update(
+        seconds=statistics.median(gaps),
+        peak_growth_mib=_rss_mib() - loaded,
+        value=result.value,
+        precision=result.settings["precision"],
+        pairs=result.settings["n_pairs"],
+    )
+    return row
+
+
+SHAPE = {"layers": 22, "hidden": 2048}  # of the measured model
+# LLaMA-2's shapes: parameters, attention parameters, layers, width
+PROJECTED = {
+    "LLaMA-2-7B": (6.74e9, 2.147e9, 32, 4096),
+    "LLaMA-2-70B": (68.98e9, 12.08e9, 80, 8192),
+}
+
+
+def report(rows: list[dict], tokens: int = 2048) -> str:
+    """The measured rows as a table, and what they project for LLaMA-2 on GPUs of 80 GB:
+    per process, the bfloat16 model (sharded over the processes), one training step's
+    bfloat16 gradients of the perturbed parameters, the measure's float32 vectors beyond
+    that step (as measured here, per perturbed parameter) and activations at one
+    sequence of ``tokens`` tokens (per token, layer and width as measured here, without
+    activation checkpointing), in GB."""
+    step = next(r for r in rows if r["mode"] == "step")
+    measured = [
+        "| run | parameters | perturbed | tokens | peak growth (MiB) | float32 vectors of the "
+        "perturbed beyond the step | time per evaluation | x forward+backward |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        measured.append(
+            f"| {r['mode']} | {r['parameters'] / 1e9:.2f}B | {r['perturbed'] / 1e6:.0f}M | "
+            f"{r['tokens']} | {r['peak_growth_mib']:.0f} | {r['buffers_beyond_step']:.2f} | "
+            f"{r['seconds']:.2f} s | {r['step_over_forward_backward']:.2f} |"
+        )
+    act_bytes = step["peak_growth_mib"] * 2**20 - 2 * step["perturbed"]
+    per_unit = act_bytes / (step["tokens"] * SHAPE["layers"] * SHAPE["hidden"])
+    projected = [
+        "| model | GPUs | perturbed | measure | model | step gradients | measure's vectors "
+        f"| activations ({tokens} tokens) | total per GPU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (params, attention, layers, width) in PROJECTED.items():
+        gpus = 1 if name.endswith("7B") else 8
+        for what, perturbed in (("attention", attention), ("all", params)):
+            for r in rows[1:]:
+                model = 2 * params / gpus / 1e9
+                grads = 2 * perturbed / gpus / 1e9
+                vectors = 4 * r["buffers_beyond_step"] * perturbed / gpus / 1e9
+                acts = per_unit * tokens * layers * width / 1e9
+                total = model + grads + vectors + acts
+                measure = r["mode"].removesuffix("-attn")
+                projected.append(
+                    f"| {name} | {gpus} | {what} | {measure} | {model:.1f} | {grads:.1f} | "
+                    f"{vectors:.1f} | {acts:.1f} | {total:.1f} |"
+                )
+    return "\n".join(measured) + "\n\n" + "\n".join(projected)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--report", default=None, help="print the tables of a results file")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.tokens)))
+        return
+    if args.report:
+        with open(args.report) as f:
+            print(report(json.load(f)))
+        return
+    rows = []
+    for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens)],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    step = rows[0]
+    for r in rows:
+        vector_mib = 4 * r["perturbed"] / 2**20  # one float32 vector of the perturbed
+        r["buffers_beyond_step"] = (r["peak_growth_mib"] - step["peak_growth_mib"]) / vector_mib
+        r["step_over_forward_backward"] = r["seconds"] / step["seconds"]
+        print(
+            f"{r['mode']:<18} {r['parameters'] / 1e9:.2f}B parameters, "
+            f"{r['perturbed'] / 1e6:.0f}M perturbed, {r['tokens']} tokens: peak grew "
+            f"{r['peak_growth_mib']:.0f} MiB over the loaded model "
+            f"({r['buffers_beyond_step']:.2f} float32 vectors of the perturbed beyond the step), "
+            f"{r['seconds']:.2f} s per evaluation ({r['step_over_forward_backward']:.2f}x)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
