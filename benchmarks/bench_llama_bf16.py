@@ -2,7 +2,8 @@
 the CPU: memory in float32 buffers of the perturbed parameters, and time per Auto-PGD
 step against one forward+backward.
 
-    python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128]
+    python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128] [--low-memory]
+    python benchmarks/bench_llama_bf16.py --report out.json   # the tables of the docs
 
 The shape is TinyLlama-1.1B's (22 layers, width 2048, 32 query and 4 key/value heads,
 MLP 5632, vocabulary 32,000), random weights in bfloat16, one batch of ``--tokens``
@@ -52,7 +53,7 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one(mode: str, tokens: int) -> dict:
+def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
     import warnings
 
     import torch
@@ -70,7 +71,7 @@ def one(mode: str, tokens: int) -> dict:
 
     loaded = _rss_mib()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
-    row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded)
+    row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded, low_memory=low_memory)
     if mode == "step":
         for n, p in model.named_parameters():
             p.requires_grad_(n in attention)
@@ -89,7 +90,9 @@ def one(mode: str, tokens: int) -> dict:
             stamps.append(time.perf_counter())
 
     estimator = geosharp.WorstCase(n_iters=3)
-    result = geosharp.sharpness(model, [ids], loss, mode, None, estimator, callback=callback)
+    result = geosharp.sharpness(
+        model, [ids], loss, mode, None, estimator, callback=callback, low_memory=low_memory
+    )
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     row.update(
         seconds=statistics.median(gaps),
@@ -157,10 +160,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--report", default=None, help="print the tables of a results file")
+    parser.add_argument("--low-memory", action="store_true", help="measure with low_memory=True")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.tokens)))
+        print(json.dumps(one(args.one, args.tokens, args.low_memory)))
         return
     if args.report:
         with open(args.report) as f:
@@ -169,7 +173,8 @@ def main() -> None:
     rows = []
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
         out = subprocess.run(
-            [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens)],
+            [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens),
+             *(["--low-memory"] if args.low_memory else [])],
             check=True, capture_output=True, text=True,
         ).stdout  # fmt: skip
         rows.append(json.loads(out.strip().splitlines()[-1]))

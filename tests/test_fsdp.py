@@ -119,6 +119,11 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     rows = json.loads((root / "docs/results/llama_bf16/bench.json").read_text())
     assert [r["mode"] for r in rows] == ["step", "adaptive-attn", "geodesic-inv-attn"]
     assert bench.report(rows) in (root / "docs/performance.md").read_text()
+    low = json.loads((root / "docs/results/llama_bf16/bench_low_memory.json").read_text())
+    docs = " ".join((root / "docs/performance.md").read_text().split())
+    assert f"adaptive drops to {low[1]['buffers_beyond_step']:.2f} vectors" in docs
+    assert f"({low[1]['seconds']:.2f} s against {rows[1]['seconds']:.2f} s)" in docs
+    assert f"Geodesic-inv stays at {low[2]['buffers_beyond_step']:.2f}" in docs
     readme = " ".join((root / "README.md").read_text().split())
     adaptive, geodesic = rows[1], rows[2]
     assert (
