@@ -134,3 +134,12 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
         f"{adaptive['step_over_forward_backward']:.2f}x and "
         f"{geodesic['step_over_forward_backward']:.2f}x a forward+backward per step" in readme
     )
+
+
+def test_the_docs_show_the_committed_step_profile():
+    """docs/performance.md quotes ``benchmarks/profile_step.py``'s committed output."""
+    root = Path(__file__).resolve().parent.parent
+    log = (root / "docs/results/profile/step.log").read_text().strip()
+    rows = json.loads((root / "docs/results/profile/step.json").read_text())
+    assert [r["measure"] for r in rows] == ["adaptive", "geodesic-inv"]
+    assert log in (root / "docs/performance.md").read_text()
