@@ -114,26 +114,26 @@ def close() -> None:
     it after the last collective with a sharded (FSDP2) model released (``del model``):
     a process that exits while the model's communication objects still live can abort
     (``terminate called without an active exception``) after its work is done."""
-    import gc
-
-    gc.collect()
-    if is_distributed():
-        dist.barrier()
-        dist.destroy_process_group()
+    _end(bounded=False)
 
 
 def _destroy() -> None:
-    """At exit: every process waits for the others (gloo: at most a minute, so that a
-    process that failed does not hold the rest) before the group is destroyed; a process
-    that tears its connections down while another still uses them can abort
-    (``terminate called without an active exception``)."""
-    if not is_distributed():
-        return
+    """At exit (registered by :func:`init`): :func:`close`, except that a gloo process
+    waits at most a minute for the others and destroys the group anyway, so that a
+    process that failed does not hold the rest."""
+    _end(bounded=True)
+
+
+def _end(bounded: bool) -> None:
     import gc
     from datetime import timedelta
 
     gc.collect()
-    if dist.get_backend() == "gloo":
+    if not is_distributed():
+        return
+    if not bounded:
+        dist.barrier()
+    elif dist.get_backend() == "gloo":
         with contextlib.suppress(Exception):  # a process that failed: destroy anyway
             dist.monitored_barrier(timeout=timedelta(seconds=60))
     dist.destroy_process_group()

@@ -6,7 +6,7 @@ job of ``geosharp measure`` loaded and checked (:func:`load_job`) before anythin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -314,7 +314,6 @@ class Job:
     n_parameters: int
     rank: int = 0
     world: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 def load_job(args, path: Path, device: torch.device) -> Job:

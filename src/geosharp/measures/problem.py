@@ -363,10 +363,9 @@ def geometry_of(
     return Geometry.named(spec.pop("geometry"), **spec), parameters
 
 
-LEGACY = {
-    "geometry", "metric", "eps", "p", "elementwise_step",  # the geometry
-    "kind", "n_iters", "n_samples", "starts", "random_start",  # the estimator
-}  # fmt: skip
+_GEOMETRY_KEYS = {"geometry", "metric", "eps", "p", "elementwise_step"}
+_ESTIMATOR_KEYS = {"kind", "n_iters", "n_samples", "starts", "random_start"}
+LEGACY = _GEOMETRY_KEYS | _ESTIMATOR_KEYS
 
 
 def refuse_legacy(function: str, keywords: dict) -> None:
@@ -383,7 +382,7 @@ def refuse_legacy(function: str, keywords: dict) -> None:
     if unknown:
         raise TypeError(f"{function}() got unexpected keyword argument(s): {', '.join(unknown)}")
     spelled = []
-    geometry = {k: v for k, v in keywords.items() if k in LEGACY - _ESTIMATOR_KEYS}
+    geometry = {k: v for k, v in keywords.items() if k in _GEOMETRY_KEYS}
     if geometry:
         args = [repr(geometry.pop("geometry", "geodesic"))]
         args += [f"{k}={_spelled(v)}" for k, v in geometry.items()]
@@ -403,9 +402,6 @@ def refuse_legacy(function: str, keywords: dict) -> None:
         + ", ".join(spelled)
         + " (geosharp.Geometry, geosharp.WorstCase, geosharp.AverageCase)"
     )
-
-
-_ESTIMATOR_KEYS = {"kind", "n_iters", "n_samples", "starts", "random_start"}
 
 
 def _spelled(value) -> str:
