@@ -89,13 +89,16 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
         if event == "evaluated":
             stamps.append(time.perf_counter())
 
-    estimator = geosharp.WorstCase(n_iters=3)
+    n_iters = 3
+    estimator = geosharp.WorstCase(n_iters=n_iters)
     result = geosharp.sharpness(
         model, [ids], loss, mode, None, estimator, callback=callback, low_memory=low_memory
     )
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     row.update(
         seconds=statistics.median(gaps),
+        evaluations=len(stamps),
+        seconds_per_step=(stamps[-1] - stamps[0]) / n_iters,
         peak_growth_mib=_rss_mib() - loaded,
         value=result.value,
         precision=result.settings["precision"],

@@ -22,7 +22,7 @@ import pstats
 
 METHODS = (
     "retr_", "pullback_", "proju_", "split_direction_", "combine_", "inner", "norm",
-    "to_point_", "to_tangent_", "scale_", "clamp_box_", "empty",
+    "scale_", "clamp_box_", "empty",
 )  # fmt: skip
 
 

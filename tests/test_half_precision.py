@@ -33,6 +33,29 @@ def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_a_bfloat16_model_is_read_in_place_in_float32():
+    """The perturbed parameters are not copied: the space reads the model's bf16
+    tensors piece by piece in float32 (exactly), its tangents are float32."""
+    from geosharp.geometry import Geometry, PerturbationSpace
+    from geosharp.measures.problem import find_target
+
+    model, inputs, loss = build("llama")
+    model = model.to(torch.bfloat16)
+    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
+    geo = Geometry.named("geodesic")
+    target = find_target(model, geo, attention, None, probe=(inputs, loss))
+    assert target.upcast and target.dtype == torch.float32
+    own = dict(model.named_parameters())
+    assert all(t.data_ptr() == own[n].data_ptr() for n, t in target.theta.items())
+    space = PerturbationSpace(target.theta, target.layout, target.pairs, geo, dtype=torch.float32)
+    assert space.empty().dtype == torch.float32
+    flat = target.layout.flatten({n: t.float() for n, t in target.theta.items()})
+    assert torch.equal(space.theta_flat(), flat)
+    adaptive = Geometry.named("adaptive")
+    scale = PerturbationSpace(target.theta, target.layout, [], adaptive, dtype=torch.float32)
+    assert torch.equal(scale.scale, flat.abs())
+
+
 def test_a_module_with_submodules_and_perturbed_weights_is_measured_all_in_float32():
     """Where a perturbed parameter sits in a module that also holds submodules, its
     forward cannot be cast alone: the whole model computes in float32 (said)."""

@@ -66,7 +66,9 @@ class _Part:
 
 
 class ElementwiseSpace:
-    """:class:`Elementwise` at ``theta`` (``{name: 1-D view}`` in the layout's order).
+    """:class:`Elementwise` at ``theta`` (``{name: 1-D view}`` in the layout's order),
+    for tangents in ``dtype`` (default: ``theta``'s; a wider one reads ``theta`` in it
+    piece by piece).
 
     ``claimed``: ``{name: boolean mask}`` of the entries a pair ball measures (``c = 0``
     there). Every method works piece by piece (cache-sized pieces on the CPU), so that
@@ -80,10 +82,12 @@ class ElementwiseSpace:
         layout: ParameterLayout,
         claimed: dict[str, Tensor],
         cache_scale: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         self.factor = factor
         first = params[layout.names[0]]
-        self.dtype, self.device, self.numel = first.dtype, first.device, layout.numel
+        self.dtype = first.dtype if dtype is None else dtype
+        self.device, self.numel = first.device, layout.numel
         self._unit = not factor.relative
         self._tiny = torch.finfo(self.dtype).tiny ** 0.5
         self.parts = []
@@ -126,26 +130,11 @@ class ElementwiseSpace:
             for a in range(0, n, step):
                 b = min(n, a + step)
                 pairs = part.pairs[a:b] if isinstance(part.pairs, Tensor) else part.pairs
-                yield part.start + a, part.start + b, part.theta[a:b], pairs, part.frozen
+                theta = part.theta[a:b].to(self.dtype)
+                yield part.start + a, part.start + b, theta, pairs, part.frozen
 
     def theta_flat(self) -> Tensor:
-        return torch.cat([part.theta for part in self.parts])
-
-    def to_point_(self, xi: Tensor) -> Tensor:
-        for part in self.parts:
-            xi[part.start : part.end].add_(part.theta)
-        return xi
-
-    def to_tangent_(self, point: Tensor) -> Tensor:
-        for part in self.parts:
-            point[part.start : part.end].sub_(part.theta)
-        return point
-
-    def tangent_dot(self, point: Tensor, y: Tensor) -> Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=y.device)
-        for s, e, theta, *_ in self.pieces():
-            total += torch.dot(point[s:e] - theta, y[s:e]).double()
-        return total
+        return torch.cat([part.theta.to(self.dtype) for part in self.parts])
 
     def _scale_piece(
         self, theta: Tensor, pairs: bool | Tensor, frozen: bool = True
@@ -165,7 +154,7 @@ class ElementwiseSpace:
         return c
 
     def _frozen_mask(self, theta: Tensor, pairs: bool | Tensor) -> Tensor:
-        frozen = theta.abs() <= self._tiny
+        frozen = theta.to(self.dtype).abs() <= self._tiny
         return frozen & ~pairs if isinstance(pairs, Tensor) else frozen
 
     def scale_(self, x: Tensor, power: int = 1) -> Tensor:

@@ -164,7 +164,9 @@ class PerturbationSpace:
     ``theta``: the perturbed parameters, either as ``{name: tensor}`` (the model's own
     tensors: they are read, never copied or written) or as one flat vector of the
     layout. Tangents are flat vectors of the layout (``layout.unflatten`` shows them per
-    parameter, as views).
+    parameter, as views), in ``dtype`` (default: ``theta``'s); a wider ``dtype`` than
+    ``theta``'s (float32 tangents of a bfloat16 model) reads ``theta`` piece by piece in
+    it, exactly, and keeps no wider copy.
 
     Operations mirror geoopt's manifold interface: :meth:`inner`, :meth:`proju`
     (horizontal projection), :meth:`egrad2rgrad`, :meth:`retr` (the perturbed point
@@ -188,10 +190,12 @@ class PerturbationSpace:
         geometry: Geometry,
         cache_scale: bool = False,
         shards: Shards | None = None,
+        dtype: torch.dtype | None = None,
     ):
         params = _parameter_views(theta, layout)
         first = params[layout.names[0]]
-        self.dtype, self.device, self.numel = first.dtype, first.device, layout.numel
+        self.dtype = first.dtype if dtype is None else dtype
+        self.device, self.numel = first.device, layout.numel
         self.layout = layout
         self.geometry = geometry
         self.shards = shards
@@ -204,11 +208,11 @@ class PerturbationSpace:
                     raise ValueError("a sharded space takes theta as the flat local vector")
                 stacks, reduce = localize(pairs, shards, theta, self.device), shards.reduce
             self.pairs = PairSpace(
-                geometry.pairs, pairs, layout, params, self.device, stacks, reduce
+                geometry.pairs, pairs, layout, params, self.device, stacks, reduce, self.dtype
             )
         claimed = self.pairs.claimed(params) if self.pairs is not None else {}
         self.elementwise = ElementwiseSpace(
-            geometry.elementwise, params, layout, claimed, cache_scale
+            geometry.elementwise, params, layout, claimed, cache_scale, self.dtype
         )
         # the pair factor where it owns the metric of its entries, else None
         self._ball = self.pairs if self.pairs is not None and self.pairs.ball else None
@@ -245,23 +249,8 @@ class PerturbationSpace:
     @property
     def straight(self) -> bool:
         """Whether the step is the straight line ``theta + xi`` (no geodesic correction,
-        no exponential): then a point is its own tangent plus ``theta``, and Auto-PGD
-        with ``low_memory=True`` keeps points instead of tangents (one vector less)."""
+        no exponential)."""
         return not (self.geometry.geodesic_step or self.geometry.exp_elementwise)
-
-    def to_point_(self, xi: Tensor) -> Tensor:
-        """``xi <- theta + xi`` in place."""
-        return self.elementwise.to_point_(xi)
-
-    def to_tangent_(self, point: Tensor) -> Tensor:
-        """``point <- point - theta`` in place."""
-        return self.elementwise.to_tangent_(point)
-
-    def tangent_dot(self, point: Tensor, y: Tensor) -> Tensor:
-        """Euclidean ``<point - theta, y>`` (0-d, float64), the difference formed piece
-        by piece (exact where ``point`` is near ``theta``; no cancellation of large dot
-        products)."""
-        return self._sum(self.elementwise.tangent_dot(point, y))
 
     def scale_(self, x: Tensor, power: int = 1) -> Tensor:
         """``x <- c^power x`` in place (zero where ``c = 0``)."""
@@ -366,28 +355,15 @@ class PerturbationSpace:
         kx: Tensor,
         xp: Tensor | None = None,
         kxp: Tensor | None = None,
-        points: bool = False,
     ) -> Tensor:
         """``out <- kd d + kx x + kxp xp`` where ``out`` and ``pair_dirs`` come from
-        :meth:`split_direction_` (scalars: 0-d tensors, so nothing waits for the device).
-
-        ``points=True``: ``x`` and ``xp`` are points ``theta + xi`` (see :attr:`straight`)
-        and ``out`` becomes one, ``theta + kd d + kx xi + kxp xi_p``, the tangents formed
-        piece by piece."""
+        :meth:`split_direction_` (scalars: 0-d tensors, so nothing waits for the device)."""
         self.scale_(out)
         if self._ball is not None:
             self._ball.write_(out, pair_dirs)  # pair entries of `out` are zero here
-        if not points:
-            out.mul_(kd).addcmul_(x, kx)
-            if xp is not None:
-                out.addcmul_(xp, kxp)
-            return out
-        for s, e, theta, *_ in self.elementwise.pieces():
-            piece = out[s:e].mul_(kd)
-            piece.addcmul_(x[s:e] - theta, kx)
-            if xp is not None:
-                piece.addcmul_(xp[s:e] - theta, kxp)
-            piece.add_(theta)
+        out.mul_(kd).addcmul_(x, kx)
+        if xp is not None:
+            out.addcmul_(xp, kxp)
         return out
 
     def retr_(self, xi: Tensor, out: Tensor) -> Retraction:

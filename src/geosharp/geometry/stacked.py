@@ -189,8 +189,10 @@ class PairSpace:
         device: torch.device,
         stacks: list[StackedPairs] | None = None,
         reduce=None,
+        dtype: torch.dtype | None = None,
     ):
         self.factor = factor
+        self.dtype = dtype  # of the states' blocks (default: the parameters')
         self.ball, self.geodesic = factor.ball, factor.geodesic
         self.layout = layout
         self.reduce = reduce  # row shards: the sum over processes (else None)
@@ -202,7 +204,10 @@ class PairSpace:
         self._params = params
         extra = {} if self.reduce is None else {"reduce": self.reduce}
         for block in self.blocks:
-            state = self.factor.metric.state(*block.gather_params(params), **extra)
+            blocks = block.gather_params(params)
+            if self.dtype is not None:
+                blocks = tuple(b.to(self.dtype) for b in blocks)
+            state = self.factor.metric.state(*blocks, **extra)
             block.state = restrict_state(state, block.group)
 
     def claimed(self, params: dict[str, Tensor]) -> dict[str, Tensor]:

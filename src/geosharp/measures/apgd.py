@@ -17,13 +17,12 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
 
 The loop makes one forward and one backward per step (the objective returns the
 loss and its gradient together) and reads from the device once per checkpoint only.
-A restart needs the best point's gradient. By default a copy of it is kept and the
-loop allocates no parameter-sized vector per step (buffers are recycled). With
-``low_memory=True`` it keeps two vectors fewer: the best gradient is recomputed when
-the best point is not the current one (one more forward+backward there; 1.25-2
-passes per step on a random BERT-base over 2-6 steps), and each gradient gets a new
-buffer whose pages, on the CPU, are first written during backward as activations are
-freed, so that its memory is the training step's own (one allocation per step).
+Its parameter-sized buffers are recycled, never allocated per step: the point, whose
+gradient is written over it (one buffer for both, the training step's own), the
+perturbation ``xi``, its previous and best values, and the best point's gradient for
+a restart there. With ``low_memory=True`` that gradient is not kept but recomputed
+when a restart goes back to a best point that is not the current one (one more
+forward+backward there, none otherwise).
 """
 
 from __future__ import annotations
@@ -37,7 +36,14 @@ from torch import Tensor
 
 from ..geometry.space import PerturbationSpace, Retraction
 
-__all__ = ["APGDTrace", "Iterate", "auto_pgd", "checkpoints"]
+
+class PointOverwritten(RuntimeError):
+    """A gradient written over its point (``loss_grad(point, point)``) while backward
+    could still read the point: :func:`auto_pgd` evaluates again with separate
+    buffers."""
+
+
+__all__ = ["APGDTrace", "Iterate", "PointOverwritten", "auto_pgd", "checkpoints"]
 
 # loss_grad(point, out) -> (loss at point, its gradient written into `out`)
 LossGrad = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -81,18 +87,17 @@ class APGDTrace:
 
 class _Buffers:
     """Parameter-sized buffers handed around instead of allocated (a new vector of
-    hundreds of megabytes costs its page faults on every step). With ``recycle=False``
-    (``low_memory``) every take is a new vector and nothing is kept."""
+    hundreds of megabytes costs its page faults on every step)."""
 
-    def __init__(self, space: PerturbationSpace, recycle: bool):
-        self.space, self.recycle, self.free = space, recycle, []
+    def __init__(self, space: PerturbationSpace):
+        self.space, self.free = space, []
 
     def take(self) -> Tensor:
         return self.free.pop() if self.free else self.space.empty()
 
     def give(self, *tensors: Tensor) -> None:
         for t in tensors:
-            if self.recycle and len(self.free) < 3 and all(t is not f for f in self.free):
+            if len(self.free) < 3 and all(t is not f for f in self.free):
                 self.free.append(t)
 
 
@@ -109,8 +114,8 @@ class _L2Ball:
     point is written with three in-place vector operations and no host synchronisation.
     """
 
-    def __init__(self, space: PerturbationSpace, rho: float, points: bool = False):
-        self.space, self.rho, self.points = space, rho, points
+    def __init__(self, space: PerturbationSpace, rho: float):
+        self.space, self.rho = space, rho
 
     def start(self, xi: Tensor | None) -> None:
         self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
@@ -126,13 +131,11 @@ class _L2Ball:
     def step_(
         self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
     ) -> Tensor:
-        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`); with
-        ``points``, iterates are points ``theta + xi``."""
+        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
-        dot = space.tangent_dot if self.points else space.dot
-        xd = dot(xi, grad)
-        pd = xd if same else dot(xi_prev, grad)
+        xd = space.dot(xi, grad)
+        pd = xd if same else space.dot(xi_prev, grad)
         dd, pair_dirs = space.split_direction_(grad, step)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
@@ -158,9 +161,7 @@ class _L2Ball:
         kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
             kx = (s2 * (alpha + gamma)).to(grad.dtype)
-        space.combine_(
-            grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp, points=self.points
-        )
+        space.combine_(grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp)
         self.xx, self.pp, self.xp = nn, self.xx, new_x
         return grad
 
@@ -195,18 +196,13 @@ class _Box:
 
 
 class Iterate:
-    """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent. With
-    ``low_memory=True`` straight-step geometries keep the point ``theta + xi`` instead
-    (one vector less); there ``xi`` is a new vector, computed when read."""
+    """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent (not to be
+    written)."""
 
-    __slots__ = ("_point", "_space", "_x")
+    __slots__ = ("xi",)
 
-    def __init__(self, space: PerturbationSpace, x: Tensor, point: bool):
-        self._space, self._x, self._point = space, x, point
-
-    @property
-    def xi(self) -> Tensor:
-        return self._space.to_tangent_(self._x.clone()) if self._point else self._x
+    def __init__(self, xi: Tensor):
+        self.xi = xi
 
 
 def auto_pgd(
@@ -227,11 +223,12 @@ def auto_pgd(
     gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
-    Memory beyond the space and one training step, with ``low_memory=True``: four
-    parameter-sized vectors, the point, ``xi``, the previous and the best ``xi`` (three
-    where the step is straight, :attr:`PerturbationSpace.straight`, L2 ball: the loop
-    then keeps points ``theta + xi`` in place of tangents); by default also the
-    gradient's buffer and the best gradient (see the module's docstring).
+    Memory beyond the space and one training step (whose gradient buffer the point
+    shares): four parameter-sized vectors, ``xi``, the previous and the best ``xi`` and
+    the best point's gradient; three with ``low_memory=True`` (see the module's
+    docstring). ``loss_grad`` may be given the point as its ``out`` (the gradient then
+    replaces the point); where it raises :class:`PointOverwritten`, the point is formed
+    again and evaluated with separate buffers from then on.
 
     ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``
     (the start and the best point), ``"evaluate"`` before and ``"evaluated"`` after each
@@ -244,33 +241,31 @@ def auto_pgd(
     the comparison and copies only on improvement.
     """
     box = space.geometry.p == float("inf")
-    # low_memory, straight step: iterates are points theta + xi (no point buffer, at the
-    # price of forming tangents piece by piece)
-    points = low_memory and space.straight and not box
-    ball = _Box(space, rho) if box else _L2Ball(space, rho, points=points)
-    point = None if points else space.empty()
+    ball = _Box(space, rho) if box else _L2Ball(space, rho)
     notify = (
-        (lambda event, i, x: callback(event, i, Iterate(space, x, points)))
+        (lambda event, i, x: callback(event, i, Iterate(x)))
         if callback is not None
         else (lambda event, i, x: None)
     )
-
-    buffers = _Buffers(space, recycle=not low_memory)
+    buffers = _Buffers(space)
+    shared = [True]  # the gradient is written over the point (one buffer for both)
 
     def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
-        step = Retraction(x, []) if points else space.retr_(x, point)
+        point = buffers.take()
+        step = space.retr_(x, point)
         notify("evaluate", i, x)
-        # low_memory: a new gradient buffer, whose pages are first written during
-        # backward as activations are freed (on the CPU, freed large blocks go back to
-        # the system); else a recycled one (no page faults)
-        value, grad = loss_grad(x if points else point, buffers.take())
+        try:
+            value, grad = loss_grad(point, point if shared[0] else buffers.take())
+        except PointOverwritten:  # backward read the point after replacing it
+            shared[0] = False
+            step = space.retr_(x, point)
+            value, grad = loss_grad(point, buffers.take())
+            buffers.give(point)
         notify("evaluated", i, x)
         return value, space.pullback_(step, grad), step
 
     xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
-    if points:
-        space.to_point_(xi)
     notify("start", 0, xi)
     value, grad, step = evaluate(xi, 0)
     best_value, best_xi = value, xi.clone()
@@ -338,10 +333,8 @@ def auto_pgd(
             increases = torch.zeros((), device=xi.device)
         etas.append(eta)
 
-    if points:
-        space.to_tangent_(best_xi)
     if callback is not None:
-        callback("end", n_iters, Iterate(space, best_xi, False))
+        callback("end", n_iters, Iterate(best_xi))
     trace = APGDTrace(
         losses=torch.stack(values).tolist(),
         best=torch.stack(bests).tolist(),

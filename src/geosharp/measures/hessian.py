@@ -160,13 +160,13 @@ def hessian_trace(
         frozen_except(model, [n for n, _ in target.named]),
         sdpa_kernel(SDPBackend.MATH),
     ):
-        space = PerturbationSpace(theta, layout, target.pairs, geo)
+        space = PerturbationSpace(theta, layout, target.pairs, geo, dtype=target.dtype)
         evaluate = functional_loss(
             model, loss_fn, float32_copies(model, target.named) if target.upcast else None
         )
         for index, batch in numbered(batches, max_batches, progress, "hessian trace", total):
             del index
-            params = {n: t.detach().requires_grad_() for n, t in theta.items()}
+            params = {n: t.detach().to(target.dtype).requires_grad_() for n, t in theta.items()}
             # the Hessian-vector products differentiate through the forward: under
             # activation checkpointing it is recomputed then, with the same parameters
             with evaluate.holding(params):

@@ -19,7 +19,7 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ from ..params import LossFunction, aliases, checkpoint_errors, require_grad, sca
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
+from .apgd import PointOverwritten
 from .fsdp import ShardedModel, check_shardable, is_sharded, local_shards, reshard, symmetries_of
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "MixedPrecision",
     "NonFiniteError",
     "Target",
+    "Widened",
     "autocast_for",
     "batch_seed",
     "check_floor",
@@ -230,8 +232,9 @@ def label_of(geo: Geometry) -> str:
 @dataclass
 class Target:
     """What a measure works on: the perturbed parameters, their pairs and layout, and
-    ``theta``, the model's own tensors in the measure's dtype (read, never written;
-    copies only where the dtype differs: half precision is measured in float32)."""
+    ``theta``, the model's own tensors (read, never written, never copied: a
+    half-precision model, ``upcast``, is measured in float32 ``dtype`` by reading them
+    in it piece by piece, exactly)."""
 
     named: list[tuple[str, Tensor]]
     pairs: list
@@ -320,7 +323,7 @@ def find_target(
     upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
         dtype = torch.float32
-    theta = {n: t.detach().to(dtype) for n, t in named}
+    theta = {n: t.detach() for n, t in named}
     return Target(
         named,
         pairs,
@@ -492,7 +495,14 @@ class LossGrad:
     leaf's gradient is copied into its view of the output buffer as soon as backward
     has accumulated it, then freed. Backward frees activations as it goes, so a buffer
     whose pages are first written here (a new one, on the CPU) costs no more memory than
-    the gradients of a training step."""
+    the gradients of a training step.
+
+    ``out`` may be ``point`` itself: the point and the gradient then share one buffer.
+    Each leaf (its own version counter over the point's memory) gets its gradient
+    written over its values once backward has accumulated it, when no gradient needs
+    them any more; a saved tensor read after that fails autograd's version check, and a
+    second accumulation is refused, both as :class:`~geosharp.measures.apgd.PointOverwritten`,
+    for the caller to evaluate again with separate buffers."""
 
     def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None):
         self.evaluate, self.layout = evaluate, layout
@@ -500,16 +510,23 @@ class LossGrad:
 
     def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
         leaves, targets, filled = {}, {}, set()
+        in_place = out is point
 
         def hook(leaf: Tensor) -> None:
-            targets[id(leaf)].copy_(leaf.grad)
+            if id(leaf) in filled:  # a second accumulation: add it
+                if in_place:
+                    raise PointOverwritten("a leaf accumulated twice")
+                targets[id(leaf)].add_(leaf.grad)
+            else:  # in place: through the leaf, whose version this advances
+                (leaf.detach() if in_place else targets[id(leaf)]).copy_(leaf.grad)
             leaf.grad = None
             filled.add(id(leaf))
 
         for (name, view), target in zip(
             self.layout.unflatten(point).items(), self.layout.unflatten(out).values()
         ):
-            leaf = view.detach().requires_grad_(True)
+            leaf = _own_version(view) if in_place else view.detach()
+            leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(hook)
             targets[id(leaf)] = target
             leaves[name] = leaf
@@ -524,7 +541,7 @@ class LossGrad:
                     loss = self.evaluate(leaves, self.batch)
             loss = scalar_loss(loss)
             require_grad(loss)
-            with checkpoint_errors():
+            with checkpoint_errors(), _overwritten(in_place):
                 loss.backward(inputs=list(leaves.values()))
         for leaf in leaves.values():  # parameters the loss does not reach
             if id(leaf) not in filled:
@@ -532,6 +549,43 @@ class LossGrad:
         if self.mask is not None:  # the entries measured; the rest stay fixed
             out.mul_(self.mask)
         return loss_value(loss), out
+
+
+def _own_version(view: Tensor) -> Tensor:
+    """A tensor over ``view``'s memory with a version counter of its own (writing it
+    advances no other view's)."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+
+
+@contextlib.contextmanager
+def _overwritten(in_place: bool):
+    """Backward's version error for a point replaced by its gradient too early, as
+    :class:`PointOverwritten`."""
+    try:
+        yield
+    except RuntimeError as err:
+        if in_place and "modified by an inplace operation" in str(err):
+            raise PointOverwritten(str(err)) from err
+        raise
+
+
+class Widened(Mapping):
+    """``{name: tensor}`` whose tensors are read in ``dtype`` on each access (the
+    unperturbed point of a half-precision model, for a float32 forward: a copy only
+    while it is used)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], dtype: torch.dtype):
+        self.tensors, self.dtype = tensors, dtype
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name].to(self.dtype)
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
