@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -164,6 +165,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--report", default=None, help="print the tables of a results file")
     parser.add_argument("--low-memory", action="store_true", help="measure with low_memory=True")
+    parser.add_argument(
+        "--mmap-threshold",
+        action="store_true",
+        help="run each row with MALLOC_MMAP_THRESHOLD_=131072: memory held, not the heap's",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -174,13 +180,17 @@ def main() -> None:
             print(report(json.load(f)))
         return
     rows = []
+    env = dict(os.environ)
+    if args.mmap_threshold:  # glibc returns every block above 128 KiB when freed
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
         out = subprocess.run(
             [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens),
              *(["--low-memory"] if args.low_memory else [])],
-            check=True, capture_output=True, text=True,
+            check=True, capture_output=True, text=True, env=env,
         ).stdout  # fmt: skip
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+        row = json.loads(out.strip().splitlines()[-1])
+        rows.append({**row, "mmap_threshold": args.mmap_threshold})
     step = rows[0]
     for r in rows:
         vector_mib = 4 * r["perturbed"] / 2**20  # one float32 vector of the perturbed
@@ -192,6 +202,11 @@ def main() -> None:
             f"{r['peak_growth_mib']:.0f} MiB over the loaded model "
             f"({r['buffers_beyond_step']:.2f} float32 vectors of the perturbed beyond the step), "
             f"{r['seconds']:.2f} s per evaluation ({r['step_over_forward_backward']:.2f}x)"
+            + (
+                f", {r['evaluations']} evaluations, {r['seconds_per_step']:.2f} s per step"
+                if "evaluations" in r
+                else ""
+            )
         )
     if args.json:
         with open(args.json, "w") as f:

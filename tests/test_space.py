@@ -352,14 +352,18 @@ def test_random(geo, seed):
 def test_random_is_gaussian_in_metric(geo, seed):
     """``random`` is the projection of a standard Gaussian in the metric. Without pair
     ball it is exactly ``z * c`` (``z`` replayed from the generator, ``c = |theta|`` or 1,
-    frozen entries 0). With pair ball, over 300 draws: element-wise entries ``r_j / c_j``
+    frozen entries 0; :mod:`geosharp.geometry.draws`). With pair ball, over 300 draws: element-wise entries ``r_j / c_j``
     have unit variance, and on each pair the whitened ``M^{1/2} r`` has the covariance of
     the orthogonal projector onto the (whitened) horizontal space."""
     space, exp = geo
     net = network()
     scale = torch.where(exp.weight > 0, exp.weight.rsqrt(), 0.0)
     if not exp.pair_ball:
-        z = torch.randn(net.theta.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+        from geosharp.geometry.draws import draw_seed, normal_runs_
+
+        n = net.theta.numel()
+        z = torch.empty(n, dtype=F64)
+        normal_runs_(z, [(0, 0, n)], n, draw_seed(torch.Generator().manual_seed(seed), z.device))
         r = space.random(torch.Generator().manual_seed(seed))
         assert rel(r, z * scale) < 1e-15
         return
@@ -460,3 +464,37 @@ def test_refresh_equals_a_new_space_after_an_in_place_update(name):
     assert torch.allclose(space.proju(xi), fresh.proju(xi), rtol=1e-12, atol=1e-14)
     assert torch.allclose(space.egrad2rgrad(xi), fresh.egrad2rgrad(xi), rtol=1e-12, atol=1e-14)
     assert torch.allclose(space.retr(1e-3 * xi), fresh.retr(1e-3 * xi), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_draw_over_slices_is_the_whole_draw_sliced(world):
+    """Each process draws only the blocks of its own slices (of dimension 0 or 1, as
+    FSDP2 cuts them, uneven and empty ones included) and gets the numbers of the whole
+    draw: random starts do not depend on the number of processes."""
+    from geosharp.geometry.draws import normal_runs_
+    from geosharp.geometry.sharded import Shards
+    from geosharp.layout import ParameterLayout
+
+    shapes = {"a": ((7, 5), 0), "b": ((4, 6), 1), "c": ((2,), 0), "d": ((3, 2, 4), 1)}
+    whole_named = [(n, torch.empty(shape)) for n, (shape, _) in shapes.items()]
+    numel = sum(t.numel() for _, t in whole_named)
+    whole = torch.empty(numel)
+    normal_runs_(whole, [(0, 0, numel)], numel, seed=11, block=16)
+    for rank in range(world):
+        dims, local_named = {}, []
+        for name, (shape, dim) in shapes.items():
+            chunk = -(-shape[dim] // world)
+            start = min(rank * chunk, shape[dim])
+            length = max(0, min(shape[dim] - start, chunk))
+            dims[name] = (dim, start, length)
+            local_named.append((name, torch.empty(*shape[:dim], length, *shape[dim + 1 :])))
+        shards = Shards(
+            ParameterLayout.from_named(whole_named),
+            ParameterLayout.from_named(local_named),
+            dims,
+            reduce=None,
+            reduce_max=None,
+        )
+        local = torch.empty(shards.local.numel)
+        normal_runs_(local, shards.runs(), numel, seed=11, block=16)
+        assert torch.equal(local, shards.slice_(whole, torch.empty(shards.local.numel)))

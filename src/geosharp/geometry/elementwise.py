@@ -130,8 +130,7 @@ class ElementwiseSpace:
             for a in range(0, n, step):
                 b = min(n, a + step)
                 pairs = part.pairs[a:b] if isinstance(part.pairs, Tensor) else part.pairs
-                theta = part.theta[a:b].to(self.dtype)
-                yield part.start + a, part.start + b, theta, pairs, part.frozen
+                yield part.start + a, part.start + b, part.theta[a:b], pairs, part.frozen
 
     def theta_flat(self) -> Tensor:
         return torch.cat([part.theta.to(self.dtype) for part in self.parts])
@@ -144,9 +143,9 @@ class ElementwiseSpace:
         if pairs is True:
             return None
         if self._unit:
-            c = torch.ones_like(theta)
+            c = torch.ones_like(theta, dtype=self.dtype)
         else:
-            c = theta.abs()
+            c = theta.to(self.dtype).abs()
             if frozen:
                 c.masked_fill_(c <= self._tiny, 0)
         if isinstance(pairs, Tensor):
@@ -245,7 +244,7 @@ class ElementwiseSpace:
         the exponential step, on every entry (the pair factor then writes its own)."""
         if self.exp:
             for s, e, theta, *_ in self.pieces():
-                out[s:e] = exp_step(theta, xi[s:e])
+                out[s:e] = exp_step(theta.to(self.dtype), xi[s:e])
             return
         for part in self.parts:
             sl = slice(part.start, part.end)
@@ -254,6 +253,7 @@ class ElementwiseSpace:
     def exp_pullback_(self, xi: Tensor, grad: Tensor) -> None:
         """``grad *= exp(xi / theta)`` where ``theta != 0``, on every entry."""
         for s, e, theta, *_ in self.pieces():
+            theta = theta.to(self.dtype)
             nonzero = theta != 0
             ratio = xi[s:e] / torch.where(nonzero, theta, torch.ones_like(theta))
             grad[s:e].mul_(torch.where(nonzero, ratio.exp_(), torch.ones_like(theta)))
@@ -262,6 +262,7 @@ class ElementwiseSpace:
         """``out <- xi^2 / theta`` where ``theta != 0``, else 0: the second-order term of
         the exponential step, on every entry."""
         for s, e, theta, *_ in self.pieces():
+            theta = theta.to(self.dtype)
             nonzero = theta != 0
             out[s:e] = torch.where(nonzero, xi[s:e].square() / torch.where(nonzero, theta, 1), 0)
 

@@ -61,6 +61,20 @@ class Shards:
             out[lo : lo + math.prod(lshape)].view(lshape).copy_(part)
         return out
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(global start, local start, length)`` of every contiguous run of global
+        entries held here, in increasing global order (one per parameter for slices of
+        dimension 0)."""
+        g, loc = self.global_layout, self.local
+        out = []
+        for name, shape, go, lo in zip(g.names, g.shapes, g.offsets, loc.offsets):
+            dim, start, length = self.dims[name]
+            inner = math.prod(shape[dim + 1 :])
+            for o in range(math.prod(shape[:dim])):
+                first = go + (o * shape[dim] + start) * inner
+                out.append((first, lo + o * length * inner, length * inner))
+        return [r for r in out if r[2] > 0]
+
     def to_local(self, name: str, index: Tensor) -> Tensor:
         """Flat positions in the local vector of the global ``index`` (positions in
         ``param.view(-1)``), ``-1`` where the entry is held elsewhere."""
@@ -212,7 +226,7 @@ def localize(
     row of a block is split across processes (the parameter is sharded along the wrong
     dimension)."""
     out = []
-    for (n, m, _, group), specs in group_pairs(pairs).items():  # as stack_pairs stacks
+    for (n, m, _, group, _part), specs in group_pairs(pairs).items():  # as stack_pairs does
         sides, rows = [], []
         for side in ("g_blocks", "h_blocks"):
             parts = [_held_rows(spec, side, shards) for spec in specs]

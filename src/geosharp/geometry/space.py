@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..layout import ParameterLayout
 from ..symmetry.pairs import PairSpec
+from .draws import draw_seed, normal_runs_
 from .elementwise import Elementwise, ElementwiseSpace, dot, exp_step
 from .pairs import PairMetric, get_metric
 from .sharded import Shards, localize
@@ -400,20 +401,18 @@ class PerturbationSpace:
     def random(self, generator: torch.Generator | None = None) -> Tensor:
         """A Gaussian tangent in the metric, projected (not normalised).
 
-        Pair blocks are drawn equivariantly (:meth:`PairState.sample`): with the same
-        generator state, symmetry-related networks get symmetry-related samples.
+        The element-wise entries are a draw of :mod:`~geosharp.geometry.draws` seeded
+        from ``generator``: a sharded space draws only the blocks of its own slices, the
+        numbers one process draws for the whole vector. Pair blocks are drawn
+        equivariantly (:meth:`PairState.sample`): with the same generator state,
+        symmetry-related networks get symmetry-related samples.
         """
+        z = self.empty()
+        seed = draw_seed(generator, self.device)
         if self.shards is None:
-            z = torch.randn(self.numel, generator=generator, dtype=self.dtype, device=self.device)
-        else:  # the whole draw, sliced: the numbers a single process draws
-            whole = torch.randn(
-                self.shards.global_layout.numel,
-                generator=generator,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            z = self.shards.slice_(whole, self.empty())
-            del whole
+            normal_runs_(z, [(0, 0, self.numel)], self.numel, seed)
+        else:
+            normal_runs_(z, self.shards.runs(), self.shards.global_layout.numel, seed)
         out = self.scale_(z)
         if self._ball is not None:
             self._ball.write_(out, self._ball.sample(generator))

@@ -150,22 +150,43 @@ def _flat_index(
     return _stacked(specs, side, lambda b: layout.offset(b.param) + b.index).to(device)
 
 
-def group_pairs(pairs: Sequence[PairSpec]) -> dict[tuple[int, int, int, str], list[PairSpec]]:
-    """``{(n, m, h, group): pairs}``: the stacks, in the order of their first pair."""
-    groups: dict[tuple[int, int, int, str], list[PairSpec]] = defaultdict(list)
+MAX_STACK = 1 << 23  # entries of a stack's blocks: bounds the temporaries of its maths
+
+
+def group_pairs(
+    pairs: Sequence[PairSpec], max_entries: int = MAX_STACK
+) -> dict[tuple[int, int, int, str, int], list[PairSpec]]:
+    """``{(n, m, h, group, part): pairs}``: the stacks, in the order of their first
+    pair; pairs of one shape and group are cut into consecutive parts of at most
+    ``max_entries`` block entries (at least one pair each), so that what the batched
+    maths makes at once stays a bounded fraction of a large model.
+
+    >>> from types import SimpleNamespace as Pair  # (heads, n, m, h): 32 entries each
+    >>> pairs = [Pair(shape=(2, 4, 4, 2), group="GL") for _ in range(3)]
+    >>> [len(ps) for ps in group_pairs(pairs, max_entries=64).values()]
+    [2, 1]
+    """
+    groups: dict[tuple[int, int, int, str, int], list[PairSpec]] = {}
+    sizes: dict[tuple[int, int, int, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
     for pair in pairs:
-        _, n, m, h = pair.shape
-        groups[(n, m, h, pair.group)].append(pair)
+        count, n, m, h = pair.shape
+        shape = (n, m, h, pair.group)
+        part, used = sizes[shape]
+        entries = count * (n + m) * h
+        if used and used + entries > max_entries:
+            part, used = part + 1, 0
+        sizes[shape] = (part, used + entries)
+        groups.setdefault((*shape, part), []).append(pair)
     return groups
 
 
 def stack_pairs(
     pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
 ) -> list[StackedPairs]:
-    """Group pairs by shape and symmetry group (:func:`group_pairs`)."""
+    """Group pairs by shape and symmetry group, in parts (:func:`group_pairs`)."""
     return [
         StackedPairs(specs, layout, torch.device(device), group=group)
-        for (*_, group), specs in group_pairs(pairs).items()
+        for (*_, group, _part), specs in group_pairs(pairs).items()
     ]
 
 
