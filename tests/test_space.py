@@ -353,8 +353,9 @@ def test_random_is_gaussian_in_metric(geo, seed):
     """``random`` is the projection of a standard Gaussian in the metric. Without pair
     ball it is exactly ``z * c`` (``z`` replayed from the generator through
     :mod:`geosharp.geometry.draws`, ``c = |theta|`` or 1, frozen entries 0). With pair
-    ball, over 300 draws: element-wise entries ``r_j / c_j`` have unit variance, and on each pair the whitened ``M^{1/2} r`` has the covariance of
-    the orthogonal projector onto the (whitened) horizontal space."""
+    ball, over 300 draws: element-wise entries ``r_j / c_j`` have unit variance, and on
+    each pair the whitened ``M^{1/2} r`` has the covariance of the orthogonal projector
+    onto the (whitened) horizontal space."""
     space, exp = geo
     net = network()
     scale = torch.where(exp.weight > 0, exp.weight.rsqrt(), 0.0)
