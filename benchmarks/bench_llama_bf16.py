@@ -121,8 +121,9 @@ def report(rows: list[dict], tokens: int = 2048) -> str:
     per process, the bfloat16 model (sharded over the processes), one training step's
     bfloat16 gradients of the perturbed parameters, the measure's float32 vectors beyond
     that step (as measured here, per perturbed parameter) and activations at one
-    sequence of ``tokens`` tokens (per token, layer and width as measured here, without
-    activation checkpointing), in GB."""
+    sequence of ``tokens`` tokens (per token, layer and width as measured here), in GB;
+    without activation checkpointing, and with it (each layer's bfloat16 input kept, one
+    layer's activations at a time)."""
     step = next(r for r in rows if r["mode"] == "step")
     measured = [
         "| run | parameters | perturbed | tokens | peak growth (MiB) | float32 vectors of the "
@@ -139,8 +140,9 @@ def report(rows: list[dict], tokens: int = 2048) -> str:
     per_unit = act_bytes / (step["tokens"] * SHAPE["layers"] * SHAPE["hidden"])
     projected = [
         "| model | GPUs | perturbed | measure | model | step gradients | measure's vectors "
-        f"| activations ({tokens} tokens) | total per GPU |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| activations ({tokens} tokens) | total per GPU | activations, checkpointed "
+        "| total, checkpointed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, (params, attention, layers, width) in PROJECTED.items():
         gpus = 1 if name.endswith("7B") else 8
@@ -150,11 +152,15 @@ def report(rows: list[dict], tokens: int = 2048) -> str:
                 grads = 2 * perturbed / gpus / 1e9
                 vectors = 4 * r["buffers_beyond_step"] * perturbed / gpus / 1e9
                 acts = per_unit * tokens * layers * width / 1e9
+                # checkpointed: each layer's bfloat16 input, and one layer's activations
+                # while backward recomputes it
+                kept = (2 * tokens * layers * width + per_unit * tokens * width) / 1e9
                 total = model + grads + vectors + acts
                 measure = r["mode"].removesuffix("-attn")
                 projected.append(
                     f"| {name} | {gpus} | {what} | {measure} | {model:.1f} | {grads:.1f} | "
-                    f"{vectors:.1f} | {acts:.1f} | {total:.1f} |"
+                    f"{vectors:.1f} | {acts:.1f} | {total:.1f} | {kept:.1f} | "
+                    f"{total - acts + kept:.1f} |"
                 )
     return "\n".join(measured) + "\n\n" + "\n".join(projected)
 
@@ -184,12 +190,14 @@ def main() -> None:
     if args.mmap_threshold:  # glibc returns every block above 128 KiB when freed
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
-        out = subprocess.run(
+        done = subprocess.run(
             [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens),
              *(["--low-memory"] if args.low_memory else [])],
-            check=True, capture_output=True, text=True, env=env,
-        ).stdout  # fmt: skip
-        row = json.loads(out.strip().splitlines()[-1])
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        if done.returncode != 0:
+            sys.exit(f"{mode} failed:\n{done.stderr}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append({**row, "mmap_threshold": args.mmap_threshold})
     step = rows[0]
     for r in rows:

@@ -119,13 +119,30 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     rows = json.loads((root / "docs/results/llama_bf16/bench.json").read_text())
     assert [r["mode"] for r in rows] == ["step", "adaptive-attn", "geodesic-inv-attn"]
     assert bench.report(rows) in (root / "docs/performance.md").read_text()
-    low = json.loads((root / "docs/results/llama_bf16/bench_low_memory.json").read_text())
+    results = root / "docs/results/llama_bf16"
+    low, mmap = (
+        json.loads((results / f"{n}.json").read_text()) for n in ("bench_low_memory", "bench_mmap")
+    )
     docs = " ".join((root / "docs/performance.md").read_text().split())
-    assert f"adaptive drops to {low[1]['buffers_beyond_step']:.2f} vectors" in docs
-    assert f"({low[1]['seconds']:.2f} s against {rows[1]['seconds']:.2f} s)" in docs
-    assert f"Geodesic-inv stays at {low[2]['buffers_beyond_step']:.2f}" in docs
-    readme = " ".join((root / "README.md").read_text().split())
     adaptive, geodesic = rows[1], rows[2]
+    assert (
+        f"{adaptive['buffers_beyond_step']:.2f} (adaptive) and "
+        f"{geodesic['buffers_beyond_step']:.2f} (geodesic-inv) by default" in docs
+    )
+    assert (
+        f"`bench_mmap.json`): {mmap[1]['buffers_beyond_step']:.2f} and "
+        f"{mmap[2]['buffers_beyond_step']:.2f}" in docs
+    )
+    assert (
+        f"(`bench_low_memory.json`): {low[1]['buffers_beyond_step']:.2f} and "
+        f"{low[2]['buffers_beyond_step']:.2f} vectors; adaptive made {low[1]['evaluations']} "
+        f"evaluations" in docs
+    )
+    assert (
+        f"({low[1]['seconds_per_step']:.2f} s per step against "
+        f"{adaptive['seconds_per_step']:.2f} s)" in docs
+    )
+    readme = " ".join((root / "README.md").read_text().split())
     assert (
         f"took {adaptive['buffers_beyond_step']:.1f} (adaptive) and "
         f"{geodesic['buffers_beyond_step']:.1f} (geodesic `inv`) float32" in readme
@@ -137,9 +154,14 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
 
 
 def test_the_docs_show_the_committed_step_profile():
-    """docs/performance.md quotes ``benchmarks/profile_step.py``'s committed output."""
+    """docs/performance.md quotes the committed output of ``benchmarks/profile_step.py``
+    and ``benchmarks/step_trend.py``."""
     root = Path(__file__).resolve().parent.parent
     log = (root / "docs/results/profile/step.log").read_text().strip()
     rows = json.loads((root / "docs/results/profile/step.json").read_text())
     assert [r["measure"] for r in rows] == ["adaptive", "geodesic-inv"]
     assert log in (root / "docs/performance.md").read_text()
+    trend = (root / "docs/results/step_trend/trend.log").read_text().strip()
+    rows = json.loads((root / "docs/results/step_trend/trend.json").read_text())
+    assert trend in (root / "docs/performance.md").read_text()
+    assert {(r["batch"], r["tokens"]) for r in rows} == {(2, 128), (8, 128), (16, 128)}

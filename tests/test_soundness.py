@@ -317,11 +317,14 @@ def test_a_parameter_in_pairs_of_two_layouts_is_dropped_and_said():
     assert_unchanged(model, before)
 
 
-def test_hugging_face_gradient_checkpointing_is_measured_as_it_is():
+def test_hugging_face_gradient_checkpointing_is_kept_during_a_measure():
     """``gradient_checkpointing_enable()`` on a Hugging Face model: transformers
-    checkpoints its layers only in training mode, so a measure (eval mode) runs the plain
-    forward and gets the values of the same model without it; discovery finds the same
-    verified pairs, and the model is left in training mode with checkpointing on."""
+    checkpoints a layer only in training mode; a measure puts the model in eval mode
+    but the layers that hold the flag in training mode (their dropout stays off), so
+    that backward recomputes their activations: the attention runs twice per
+    evaluation, the values are those of the model without it. A reentrant checkpoint
+    is left off, said. Discovery finds the same verified pairs; the model is left in
+    training mode with checkpointing on."""
     from geosharp.measures import hessian_trace
 
     plain, inputs, loss = build_hf("llama")
@@ -333,13 +336,26 @@ def test_hugging_face_gradient_checkpointing_is_measured_as_it_is():
     assert [len(s.pairs) for s in found] == [len(found[0].pairs)] * 2 and found[1].complete
     assert sorted(found[0].verified) == sorted(found[1].verified)
     for measure in ("adaptive", "geodesic-inv"):
-        values = [
-            geosharp.sharpness(m, [inputs], loss, measure, 0.1, geosharp.WorstCase(2)).value
-            for m in (plain, ckpt)
-        ]
-        assert values[0] == pytest.approx(values[1], rel=1e-12), measure
+        results, calls = [], []
+        for m in (plain, ckpt):
+            count = []
+            attention = next(x for n, x in m.named_modules() if n.endswith("layers.0.self_attn"))
+            handle = attention.register_forward_hook(lambda *_, count=count: count.append(1))
+            results.append(
+                geosharp.sharpness(m, [inputs], loss, measure, 0.1, geosharp.WorstCase(2))
+            )
+            handle.remove()
+            calls.append(len(count))
+        assert results[0].value == pytest.approx(results[1].value, rel=1e-12), measure
+        assert [r.settings["checkpointing"] for r in results] == [False, True]
+        assert calls[1] >= calls[0] + 3, calls  # each of the 3 evaluations recomputes
     traces = [hessian_trace(m, [inputs], loss, "geodesic-inv", n_probes=2).value
               for m in (plain, ckpt)]  # fmt: skip
     assert traces[0] == pytest.approx(traces[1], rel=1e-10)
     assert ckpt.training and ckpt.is_gradient_checkpointing
     assert_unchanged(ckpt, before)
+    reentrant = copy.deepcopy(plain)
+    reentrant.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.warns(UserWarning, match="use_reentrant"):
+        off = geosharp.sharpness(reentrant, [inputs], loss, "adaptive", 0.1, geosharp.WorstCase(2))
+    assert off.settings["checkpointing"] is False

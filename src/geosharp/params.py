@@ -21,6 +21,7 @@ __all__ = [
     "LossFunction",
     "aliases",
     "checkpoint_errors",
+    "checkpointing_kept",
     "evaluation_mode",
     "frozen_except",
     "functional_loss",
@@ -147,6 +148,52 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
+    """Inside :func:`evaluation_mode`: keep Hugging Face activation checkpointing on.
+
+    transformers checkpoints a layer only when the module that holds the
+    ``gradient_checkpointing`` flag is in training mode; this sets ``training`` on those
+    modules alone (their submodules, dropout included, stay in eval mode), so that a
+    measure's backward recomputes their activations as training does. Kept only where
+    it changes nothing else: the checkpoint function is not reentrant (a reentrant one
+    cannot differentiate with respect to the measured parameters alone), and ``loss()``
+    without gradients, where nothing is checkpointed, is bit for bit the eval mode's.
+    Returns whether it was kept (else every flag is as :func:`evaluation_mode` set it,
+    and a warning says why)."""
+    import warnings
+
+    import torch
+
+    holders = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not holders:
+        return False
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        keywords = getattr(func, "keywords", None)
+        if func is not None and (keywords is None or keywords.get("use_reentrant") is not False):
+            warnings.warn(
+                "activation checkpointing is off during the measure: a reentrant checkpoint "
+                "cannot differentiate with respect to the measured parameters alone; enable it "
+                "with gradient_checkpointing_kwargs={'use_reentrant': False}",
+                stacklevel=4,
+            )
+            return False
+    with torch.no_grad():
+        reference = loss()
+        for module in holders:
+            module.training = True
+        same = torch.equal(loss(), reference)
+    if not same:
+        for module in holders:
+            module.training = False
+        warnings.warn(
+            "activation checkpointing is off during the measure: the layers that hold it "
+            "compute differently in training mode (dropout in their own forward)",
+            stacklevel=4,
+        )
+    return same
 
 
 def scalar_loss(loss: object) -> Tensor:

@@ -25,7 +25,13 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
-from ..params import LossFunction, evaluation_mode, frozen_except, functional_loss
+from ..params import (
+    LossFunction,
+    checkpointing_kept,
+    evaluation_mode,
+    frozen_except,
+    functional_loss,
+)
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
@@ -199,8 +205,7 @@ def sharpness(
             instead of four, plus a geodesic measure's pair blocks): Auto-PGD (see
             :func:`~geosharp.measures.auto_pgd`) keeps no copy of the best point's
             gradient and recomputes it at a restart away from the current point (one
-            forward+backward more there; 0-13% more in total at the default 20 steps on
-            the demo's ViT). The same values.
+            forward+backward more there, at most one per restart). The same values.
         strict: raise instead of warning when a geodesic measure would treat attention
             modules whose symmetry geosharp does not understand element-wise, or when
             the value is within 10x of the loss's round-off floor (``result.floor``).
@@ -277,6 +282,7 @@ def sharpness(
         m = _measurement(
             model, loss_fn, target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
         )
+        settings["checkpointing"] = checkpointing_kept(model, lambda: m.evaluate(m.theta, first))
         m.mask = None if entries is None else entry_mask(m.space, target.layout, entries)
         m.steps = steps if steps.enabled else None
         m.callback = _counting(steps, callback) if steps.enabled else callback
