@@ -8,9 +8,9 @@ benchmark's rows, and the projection. Per process,
 in GB (1e9 bytes), leaving activations aside (they depend on the batch and on
 activation checkpointing):
 
-* the model's float32 shards and one training step's gradients, ``4 P / 8`` each (what
-  geosharp measures today: sharded parameters must be float32, and every parameter
-  that requires grad gets its gradient);
+* the model's float32 shards and one training step's gradients, ``4 P / 8`` each
+  (sharded parameters must be float32; the gradients counted are the whole model's, as
+  a training step makes them: the measure itself makes those of the perturbed only);
 * the measure: ``b x 4 P_perturbed / 8``, ``b`` the buffers per process measured at the
   largest number of processes of the benchmark (worst over adaptive, ``inv`` and
   ``mix``), for the whole model and for the attention pairs only;
@@ -19,8 +19,8 @@ activation checkpointing):
 
 The rows "attention, as needed" assume what geosharp does not do yet on a sharded
 model: bfloat16 model shards with float32 buffers for the perturbed parameters (half
-precision shards are refused) and gradients of the perturbed parameters only, with the
-target of 4 buffers.
+precision shards are refused), with the target of 4 buffers and gradients of the
+perturbed parameters only.
 """
 
 from __future__ import annotations

@@ -270,10 +270,8 @@ def sharpness(
     records: list[BatchResult] = []
     with (
         evaluation_mode(model),
-        # no gradient for what is not perturbed (a sharded model keeps its flags)
-        frozen_except(model, [n for n, _ in target.named])
-        if sharded is None
-        else contextlib.nullcontext(),
+        # no gradient for what is not perturbed
+        frozen_except(model, [n for n, _ in target.named]),
         matmuls(target.device, matmul_precision, settings),
         restoring(sharded, target.theta),
         mixed.active() if mixed is not None else contextlib.nullcontext(),
