@@ -493,9 +493,7 @@ class LossGrad:
     """Loss and gradient at a perturbed point for Auto-PGD, without parameter-sized
     temporaries: views of the point are swapped into the model as leaves, and each
     leaf's gradient is copied into its view of the output buffer as soon as backward
-    has accumulated it, then freed. Backward frees activations as it goes, so a buffer
-    whose pages are first written here (a new one, on the CPU) costs no more memory than
-    the gradients of a training step.
+    has accumulated it, then freed: the gradients of a training step, never held twice.
 
     ``out`` may be ``point`` itself: the point and the gradient then share one buffer.
     Each leaf (its own version counter over the point's memory) gets its gradient

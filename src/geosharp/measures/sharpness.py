@@ -368,8 +368,8 @@ def _measurement(
     model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
 ) -> Measurement:
     """The :class:`Measurement` of ``target``: its space, and its loss on the model in
-    the precision asked for (float32 copies where a half-precision model is measured in
-    float32; under autocast the floor is measured against float32)."""
+    the precision asked for (a half-precision model's weights read in float32 where it
+    is measured in float32; under autocast the floor is measured against float32)."""
     space = PerturbationSpace(
         target.theta, target.layout, target.pairs, geo, shards=target.shards,
         dtype=target.dtype,
