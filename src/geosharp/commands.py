@@ -131,6 +131,12 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "(geosharp.fsdp.shard) instead of splitting the batches, for a model too large "
         "for one device; every process runs every batch, the values are one process's",
     )
+    p.add_argument(
+        "--low-memory",
+        action="store_true",
+        help="keep one parameter-sized vector fewer (no copy of the best point's gradient: "
+        "it is recomputed at a restart away from the current point); the same values",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress reports")
     p.add_argument(
         "--strict",
@@ -394,6 +400,7 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
         seed=args.seed, symmetries=job.symmetries, progress=not args.quiet and job.rank == 0,
         autocast_dtype=autocast_dtype(args.autocast), strict=args.strict,
         distributed=job.world > 1 and not args.fsdp, nonfinite=args.nonfinite,
+        low_memory=args.low_memory,
     )  # fmt: skip
     rho, on = plan.rhos[name], (job.model, job.batches, job.loss_fn)
     try:

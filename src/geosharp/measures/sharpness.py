@@ -255,6 +255,7 @@ def sharpness(
         else None
     )
     settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, mixed)
+    settings["low_memory"] = low_memory
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
     sharded = None
