@@ -81,12 +81,19 @@ def errors():
     from torch.distributed.fsdp import fully_shard
 
     out = {}
+    plain = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    fully_shard(plain.to(torch.float64))
+    try:  # not a Hugging Face model: its structure cannot be rebuilt on the meta device
+        geosharp.sharpness(plain, [torch.zeros(2, 3, 8)], lambda m, b: m(b).sum(), "geodesic-inv")
+        out["no symmetries"] = None
+    except geosharp.UsageError as e:
+        out["no symmetries"] = str(e)
     model, batches = bert(torch.float64, heads=2)  # a head of 8 rows over 2 processes
     symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
     for layer in model.bert.encoder.layer:
         fully_shard(layer)
     fully_shard(model)
-    for key, kw in {"no symmetries": {}, "split rows": {"symmetries": symmetries}}.items():
+    for key, kw in {"found on the structure": {}, "split rows": {"symmetries": symmetries}}.items():
         try:
             geosharp.sharpness(
                 model,
@@ -114,6 +121,11 @@ def errors():
     out["default plan"] = [
         geosharp.sharpness(m, batches, loss_fn, "geodesic-inv", **kw).value for m in (plain, model)
     ]
+    # no symmetries passed: found on the sharded model's structure (meta device)
+    kw.pop("symmetries")
+    found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
+    out["default plan, pairs from the structure"] = [found.value, found.settings["n_pairs"]]
+    out["pairs found before sharding"] = len(symmetries.pairs)
     for key, call in {
         "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
         "per": lambda: geosharp.block_sharpness(model, batches, loss_fn, "adaptive", per="layer"),

@@ -58,17 +58,24 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
 
 def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     """Four processes on a 2-head BERT sharded by FSDP2's default (``Shard(0)``): each
-    query head's 8 weight rows are cut over two processes; without symmetries found
-    before sharding a geodesic measure cannot start; adaptive needs no pairs. The same
-    default plan on a 4-head BERT keeps whole rows and gets the one-process value."""
+    query head's 8 weight rows are cut over two processes, refused with its fix, whether
+    the pairs were found before sharding or (passed none) on the model's structure
+    rebuilt on the meta device; a sharded model that is not a Hugging Face one needs its
+    symmetries found before sharding; adaptive needs no pairs. The same default plan on
+    a 4-head BERT keeps whole rows and gets the one-process value, also with the pairs
+    found on its structure (the same pairs as found on the unsharded model)."""
     messages = runs[4]["results"]["errors"]
     assert "found before sharding" in messages["no symmetries"]
-    split = messages["split rows"]
-    assert "split across processes" in split and "query.weight" in split
-    assert "geosharp.fsdp.shard" in split
+    for key in ("split rows", "found on the structure"):
+        split = messages[key]
+        assert "split across processes" in split and "query.weight" in split
+        assert "geosharp.fsdp.shard" in split
     assert messages["adaptive needs no pairs"] > 0
     one, many = messages["default plan"]  # 4 heads on 4 processes: FSDP2's Shard(0)
     assert abs(many - one) <= 1e-8 * abs(one)
+    found, n_pairs = messages["default plan, pairs from the structure"]
+    assert n_pairs == messages["pairs found before sharding"]
+    assert abs(found - one) <= 1e-8 * abs(one)
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 

@@ -86,6 +86,25 @@ def symmetries_of(model: nn.Module) -> Symmetries | None:
     return _SYMMETRIES.get(model)
 
 
+def meta_replica(model: nn.Module) -> nn.Module | None:
+    """The unsharded structure of a sharded Hugging Face model, built from its config on
+    the ``meta`` device (no memory, no weights), its parameters named as the sharded
+    model's; ``None`` for a model geosharp cannot rebuild (no config, other names)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = getattr(model, "config", None)
+    cls = next((c for c in type(model).__mro__ if not issubclass(c, FSDPModule)), None)
+    if config is None or cls is None or not hasattr(cls, "_from_config"):
+        return None
+    try:
+        with torch.device("meta"):
+            replica = cls._from_config(config)
+    except Exception:  # a model whose class cannot be built from its config alone
+        return None
+    names = {n for n, _ in model.named_parameters()}
+    return replica if {n for n, _ in replica.named_parameters()} == names else None
+
+
 def placements(model: nn.Module, symmetries: Symmetries) -> dict[str, int]:
     """``{parameter name: dim}``: the dimension to shard each pair parameter along so
     that every row of its blocks stays on one process (other parameters: any).

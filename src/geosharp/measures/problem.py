@@ -35,7 +35,15 @@ from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import PointOverwritten
-from .fsdp import ShardedModel, check_shardable, is_sharded, local_shards, reshard, symmetries_of
+from .fsdp import (
+    ShardedModel,
+    check_shardable,
+    is_sharded,
+    local_shards,
+    meta_replica,
+    reshard,
+    symmetries_of,
+)
 
 __all__ = [
     "LEGACY",
@@ -290,13 +298,16 @@ def find_target(
         if symmetries is None:
             symmetries = symmetries_of(model)
     if symmetries is None and (geo.metric is not None or pairs_only):
-        if sharded:
-            raise UsageError(
-                "a sharded model's symmetries are found before sharding: pass "
-                "symmetries=geosharp.find_symmetries(model, batch, loss_fn=...) found on the "
-                "unsharded model, or shard it with geosharp.fsdp.shard(model, symmetries)"
-            )
-        if probe is not None:
+        if sharded:  # found on its structure, rebuilt on the meta device: not verified
+            replica = meta_replica(model)
+            if replica is None:
+                raise UsageError(
+                    "a sharded model's symmetries are found before sharding: pass "
+                    "symmetries=geosharp.find_symmetries(model, batch, loss_fn=...) found on "
+                    "the unsharded model, or shard it with geosharp.fsdp.shard(model, symmetries)"
+                )
+            symmetries = find_symmetries(replica, warn=False)
+        elif probe is not None:
             batch, loss_fn = probe
             symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
         else:
