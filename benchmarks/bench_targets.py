@@ -642,7 +642,7 @@ def main() -> None:
     parser.add_argument(
         "--low-memory",
         action="store_true",
-        help="low_memory=True: recompute the best gradient at restarts, new gradient buffers",
+        help="low_memory=True: recompute the best gradient at restarts instead of keeping it",
     )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

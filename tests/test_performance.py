@@ -417,7 +417,7 @@ def test_parameter_sized_vectors_alive_at_each_evaluation(measure, low_memory):
 
     geosharp.sharpness(
         case.model, case.batches[:1], case.loss_fn, measure, 0.01, callback=census,
-        low_memory=low_memory, estimator=geosharp.WorstCase(n_iters=3),
+        low_memory=low_memory, estimator=geosharp.WorstCase(n_iters=2),
     )  # fmt: skip
     assert counts and set(counts) == {4 if low_memory else 5}, counts
 

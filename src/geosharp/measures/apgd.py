@@ -248,16 +248,17 @@ def auto_pgd(
         else (lambda event, i, x: None)
     )
     buffers = _Buffers(space)
-    shared = [True]  # the gradient is written over the point (one buffer for both)
+    shared = True  # the gradient is written over the point (one buffer for both)
 
     def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
+        nonlocal shared
         point = buffers.take()
         step = space.retr_(x, point)
         notify("evaluate", i, x)
         try:
-            value, grad = loss_grad(point, point if shared[0] else buffers.take())
+            value, grad = loss_grad(point, point if shared else buffers.take())
         except PointOverwritten:  # backward read the point after replacing it
-            shared[0] = False
+            shared = False
             step = space.retr_(x, point)
             value, grad = loss_grad(point, buffers.take())
             buffers.give(point)
