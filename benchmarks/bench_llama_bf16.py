@@ -54,6 +54,134 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _sharded_model(tokens: int, plan: str):
+    """The same shape built on the meta device and sharded there, each layer and then
+    the root, with FSDP2's default plan (``plan="default"``: ``Shard(0)``, whole heads
+    on each of 2 processes) or :func:`geosharp.fsdp.shard`'s (``"rows"``: the query,
+    key and value weights along their input features, every head's rows split), then
+    given this process's slices only (random, bfloat16)."""
+    import torch
+    import transformers as tf
+    from torch.distributed.fsdp import fully_shard
+
+    import geosharp
+    from geosharp import fsdp
+
+    config = tf.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+    if plan == "rows":  # the pairs found on the structure (no values on the meta device)
+        fsdp.shard(model, geosharp.find_symmetries(model, warn=False))
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(int(os.environ.get("RANK", "0")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+        model.model.rotary_emb.inv_freq.copy_(
+            1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+        )
+    model.eval()
+    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
+    return model, ids, attention
+
+
+def _reset_peak() -> float:
+    """Free heap memory to the system and restart the peak resident size here (MiB)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(key: str) -> float:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(key))
+    return int(line.split()[1]) / 1024
+
+
+def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | None:
+    """One process of a 2-process FSDP2 run (``torchrun``, gloo, one thread each): the
+    row of rank 0, with the largest growth over the processes."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import geosharp
+    from geosharp import distributed as gd
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    rank, world = gd.init()
+    model, ids, attention = _sharded_model(tokens, plan)
+    sizes = dict(model.named_parameters())
+    perturbed = sum(sizes[n].numel() for n in attention)
+    local = sum(sizes[n].to_local().numel() for n in attention)
+
+    def loss(m, batch):
+        return m(input_ids=batch, labels=batch).loss.float()
+
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in attention)
+    loss(model, ids).backward()  # FSDP's first step allocates what it keeps
+    model.zero_grad(set_to_none=True)
+    loaded = _reset_peak()
+    row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
+    row.update(perturbed=perturbed, local_perturbed=local, tokens=tokens, processes=world)
+    row.update(low_memory=low_memory, plan=plan)
+    if mode == "step":
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            loss(model, ids).backward()
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        row.update(seconds=statistics.median(times))
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        stamps = []
+
+        def callback(event, i, iterate):
+            if event == "evaluated":
+                stamps.append(time.perf_counter())
+
+        n_iters = 3
+        result = geosharp.sharpness(
+            model, [ids], loss, mode, None, geosharp.WorstCase(n_iters=n_iters),
+            callback=callback, low_memory=low_memory,
+        )  # fmt: skip
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        row.update(
+            seconds=statistics.median(gaps),
+            evaluations=len(stamps),
+            seconds_per_step=(stamps[-1] - stamps[0]) / n_iters,
+            value=result.value,
+            precision=result.settings["precision"],
+            pairs=result.settings["n_pairs"],
+        )
+    growth = _status("VmHWM") - loaded
+    parts = [None] * world
+    dist.all_gather_object(parts, growth)
+    row.update(peak_growth_mib=max(parts), peak_growth_per_process_mib=parts)
+    model = None  # released before the process group ends
+    gd.close()
+    return row if rank == 0 else None
+
+
 def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
     import warnings
 
@@ -176,8 +304,24 @@ def main() -> None:
         action="store_true",
         help="run each row with MALLOC_MMAP_THRESHOLD_=131072: memory held, not the heap's",
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model over 2 processes with FSDP2 (torchrun, gloo, one thread each)",
+    )
+    parser.add_argument(
+        "--plan",
+        choices=("default", "rows"),
+        default="default",
+        help="with --fsdp: FSDP2's default Shard(0), or geosharp.fsdp.shard's plan",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one and args.fsdp:
+        row = sharded_one(args.one, args.tokens, args.low_memory, args.plan)
+        if row is not None:
+            print(json.dumps(row))
+        return
     if args.one:
         print(json.dumps(one(args.one, args.tokens, args.low_memory)))
         return
@@ -189,10 +333,16 @@ def main() -> None:
     env = dict(os.environ)
     if args.mmap_threshold:  # glibc returns every block above 128 KiB when freed
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    launcher = [sys.executable]
+    if args.fsdp:
+        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node=2",
+                     "--master_addr=127.0.0.1", "--master_port=29650"]  # fmt: skip
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
         done = subprocess.run(
-            [sys.executable, __file__, "--one", mode, "--tokens", str(args.tokens),
-             *(["--low-memory"] if args.low_memory else [])],
+            [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),
+             *(["--low-memory"] if args.low_memory else []),
+             *(["--fsdp", "--plan", args.plan] if args.fsdp else [])],
             capture_output=True, text=True, env=env,
         )  # fmt: skip
         if done.returncode != 0:
@@ -201,7 +351,8 @@ def main() -> None:
         rows.append({**row, "mmap_threshold": args.mmap_threshold})
     step = rows[0]
     for r in rows:
-        vector_mib = 4 * r["perturbed"] / 2**20  # one float32 vector of the perturbed
+        # one float32 vector of the perturbed (of this process's slices, when sharded)
+        vector_mib = 4 * r.get("local_perturbed", r["perturbed"]) / 2**20
         r["buffers_beyond_step"] = (r["peak_growth_mib"] - step["peak_growth_mib"]) / vector_mib
         r["step_over_forward_backward"] = r["seconds"] / step["seconds"]
         print(

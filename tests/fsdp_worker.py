@@ -36,12 +36,12 @@ def llama(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=4,
                          max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
     model = LlamaForCausalLM(config).to(dtype)
     g = torch.Generator().manual_seed(2)
-    batches = [{"input_ids": (ids := torch.randint(0, 48, (4, 10), generator=g)), "labels": ids}
+    batches = [{"input_ids": (ids := torch.randint(0, 50, (4, 10), generator=g)), "labels": ids}
                for _ in range(2)]  # fmt: skip
     return model, batches
 
@@ -72,6 +72,8 @@ def plan(name: str) -> list[tuple[str, str]]:
     average case where the pair sampler draws on sharded rows (``inv``, ``mix``)."""
     if name == "bert-float64":
         return [(m, c) for m in MEASURES for c in CASES if "attn" not in m or c == "worst"]
+    if name.endswith("bfloat16"):  # attention-only, and the whole model (embeddings, norms)
+        return [("geodesic-inv-attn", "worst"), ("adaptive-attn", "worst"), ("adaptive", "worst")]
     out = [(m, "worst") for m in MEASURES if m != "adaptive-attn"]
     return out + [(m, c) for m in ("geodesic-inv", "geodesic-mix") for c in CASES if c != "worst"]
 
@@ -126,6 +128,7 @@ def errors():
     found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
     out["default plan, pairs from the structure"] = [found.value, found.settings["n_pairs"]]
     out["pairs found before sharding"] = len(symmetries.pairs)
+    out.update(half_precision())
     for key, call in {
         "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
         "per": lambda: geosharp.block_sharpness(model, batches, loss_fn, "adaptive", per="layer"),
@@ -135,6 +138,55 @@ def errors():
             out[key] = None
         except geosharp.UsageError as e:
             out[key] = str(e)
+    return out
+
+
+def half_precision():
+    """bfloat16 shards: a tied embedding and output head (two gathers of one slice), a
+    loss that raises (the model as it was, hooks and all), and a module that owns a
+    perturbed parameter and has submodules (refused)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                         tie_word_embeddings=True, attn_implementation="eager")  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    _, batches = llama(torch.bfloat16)
+    symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+    plain = copy.deepcopy(model)
+    fsdp.shard(model, symmetries)
+    kw = dict(rho=1.0, estimator=geosharp.WorstCase(n_iters=2))
+    out = {"bfloat16 tied": [geosharp.sharpness(m, batches, loss_fn, "adaptive", **kw).value
+                             for m in (plain, model)]}  # fmt: skip
+
+    def hooks():
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    before = hooks()
+
+    def raising(m, batch):
+        m(**batch)
+        raise KeyError("raised by the loss")
+
+    try:
+        geosharp.sharpness(model, batches, raising, "adaptive", **kw)
+    except KeyError:
+        out["bfloat16 after raising"] = [
+            hooks() == before,
+            all(isinstance(p, DTensor) and p.requires_grad for p in model.parameters()),
+            geosharp.sharpness(model, batches, loss_fn, "adaptive", **kw).value,
+        ]
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).to(torch.bfloat16)
+    fully_shard(layer)
+    try:  # its attention holds in_proj_weight and has out_proj
+        x = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+        geosharp.sharpness(layer, [x], lambda m, b: m(b).float().sum(), "adaptive")
+        out["bfloat16 owner with submodules"] = None
+    except geosharp.UsageError as e:
+        out["bfloat16 owner with submodules"] = str(e)
     return out
 
 
@@ -187,16 +239,24 @@ def main():
         model, batches = {"bert": bert, "llama": llama}[arch](getattr(torch, dtype))
         symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
         plain = copy.deepcopy(model)
+        # a half-precision model: also the same measure on a float32 copy of its weights
+        wide = copy.deepcopy(model).float() if dtype == "bfloat16" else None
         fsdp.shard(model, symmetries)
         before = [p.to_local().clone() for p in model.parameters()]
         for measure, case in plan(name):
-            kw = {"rho": MEASURES[measure], **CASES[case]}
+            # bfloat16: a radius whose values its round-off barely moves (about 1 %)
+            kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
             results[f"{name}/{measure}/{case}"] = {
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
+                "precision": many.settings["precision"], "floor": many.floor,
             }  # fmt: skip
+            if wide is not None:
+                kw["symmetries"] = symmetries  # found on the half-precision model
+                float32 = geosharp.sharpness(wide, batches, loss_fn, measure, **kw)
+                results[f"{name}/{measure}/{case}"]["float32"] = float32.value
         same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
         grads = all(p.grad is None for p in model.parameters())
         results[f"{name}/model unchanged"] = bool(same and grads)

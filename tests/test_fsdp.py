@@ -6,7 +6,10 @@ float64 and float32, measured unsharded and then sharded with
 :func:`geosharp.fsdp.shard`, for adaptive, ``geodesic-inv``, ``geodesic-mix`` and
 Euclidean sharpness, worst case from zero and from a random start, and average case.
 BERT's query/key/value biases are cut by heads, so each head's bias row is held by
-one process (a zero phantom row on the other).
+one process (a zero phantom row on the other). The LLaMA also in bfloat16 (float32
+perturbations on bfloat16 shards, attention-only and whole, its 50-row embedding cut
+unevenly over 4 processes): the one-process value, and the float32 copy's within the
+floor.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from fsdp_worker import plan
 from launch import run_python
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
-TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
+TOLERANCE = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 1e-4}
 RUNS = {
-    2: ["bert-float64", "llama-float32", "sam:bert-float64"],
-    4: ["errors", "llama-float64", "sam:llama-float64"],
+    2: ["bert-float64", "llama-float32", "llama-bfloat16", "sam:bert-float64"],
+    4: ["errors", "llama-float64", "llama-bfloat16", "sam:llama-float64"],
 }
 
 
@@ -54,6 +57,11 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
             assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-12)
             for one, many in zip(case["one"], case["many"], strict=True):
                 assert abs(many - one) <= tol * abs(one), (key, one, many)
+            if "float32" in case:  # bfloat16 shards, float32 perturbations
+                assert case["precision"] == "float32 in the perturbed modules, bfloat16 elsewhere"
+                value = sum(case["many"]) / len(case["many"])
+                assert abs(value - case["float32"]) <= case["floor"], key
+                assert abs(value - case["float32"]) <= 0.05 * case["float32"], key
 
 
 def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
@@ -61,7 +69,9 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     query head's 8 weight rows are cut over two processes, refused with its fix, whether
     the pairs were found before sharding or (passed none) on the model's structure
     rebuilt on the meta device; a sharded model that is not a Hugging Face one needs its
-    symmetries found before sharding; adaptive needs no pairs. The same default plan on
+    symmetries found before sharding; adaptive needs no pairs. bfloat16 shards: a tied
+    embedding gets the one-process value, a loss that raises leaves the model as it was,
+    a perturbed parameter of a module with submodules is refused. The same default plan on
     a 4-head BERT keeps whole rows and gets the one-process value, also with the pairs
     found on its structure (the same pairs as found on the unsharded model)."""
     messages = runs[4]["results"]["errors"]
@@ -76,6 +86,11 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     found, n_pairs = messages["default plan, pairs from the structure"]
     assert n_pairs == messages["pairs found before sharding"]
     assert abs(found - one) <= 1e-8 * abs(one)
+    one, many = messages["bfloat16 tied"]  # one slice gathered twice (embedding, head)
+    assert abs(many - one) <= 1e-4 * abs(one)
+    same_hooks, shards_kept, again = messages["bfloat16 after raising"]
+    assert same_hooks and shards_kept and again == many
+    assert "has submodules" in messages["bfloat16 owner with submodules"]
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 

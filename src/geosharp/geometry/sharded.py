@@ -104,7 +104,7 @@ class ShardedStack(StackedPairs):
         g_local: Tensor,
         h_local: Tensor,
         rows: tuple[Tensor, Tensor],
-        theta: Tensor,
+        local: ParameterLayout,
         device: torch.device,
     ):
         self.specs, self.layout, self.device, self.group = specs, None, device, group
@@ -118,7 +118,7 @@ class ShardedStack(StackedPairs):
         else:
             self._segments = (None, None)
             self._index = (g_local.to(self.device), h_local.to(self.device))
-        self._theta = theta
+        self._local = local
 
     @property
     def g_index(self) -> Tensor:
@@ -161,7 +161,19 @@ class ShardedStack(StackedPairs):
         )
 
     def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        return self.gather(self._theta)
+        """The blocks of ``params`` (``{name: flat local slice}``, in their dtype), read
+        parameter by parameter (no flat copy of them is made)."""
+        names = {b.param for spec in self.specs for b in (*spec.g_blocks, *spec.h_blocks)}
+        dtype = params[next(iter(names))].dtype
+        layout, out = self._local, []
+        for index in self._explicit():
+            block = torch.zeros(index.shape, dtype=dtype, device=self.device)
+            for name in names:
+                offset = layout.offset(name)
+                here = (index >= offset) & (index < offset + params[name].numel())
+                block[here] = params[name][index[here] - offset].to(dtype)
+            out.append(block)
+        return out[0], out[1]
 
     def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
         """``(positions, values)`` of the held entries of ``blocks``."""
@@ -216,15 +228,12 @@ def _held_segments(index: Tensor) -> list | None:
     return [s for s in segments if s[4] >= 0]
 
 
-def localize(
-    pairs: Sequence[PairSpec], shards: Shards, theta: Tensor, device: torch.device
-) -> list[ShardedStack]:
+def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) -> list[ShardedStack]:
     """The local rows of every stack of ``pairs`` (stacked as one process stacks them,
-    so that the ``h x h`` sums of a head line up on every process). ``theta``: the
-    local flat base point. Positions are worked out one pair at a time (no global
-    index of a whole stack is made). Raises :class:`~geosharp.errors.UsageError` when a
-    row of a block is split across processes (the parameter is sharded along the wrong
-    dimension)."""
+    so that the ``h x h`` sums of a head line up on every process). Positions are
+    worked out one pair at a time (no global index of a whole stack is made). Raises
+    :class:`~geosharp.errors.UsageError` when a row of a block is split across
+    processes (the parameter is sharded along the wrong dimension)."""
     out = []
     for (n, m, _, group, _part), specs in group_pairs(pairs).items():  # as stack_pairs does
         sides, rows = [], []
@@ -240,7 +249,7 @@ def localize(
             sides[0],
             sides[1],
             (rows[0], rows[1]),
-            theta,
+            shards.local,
             torch.device(device),
         )
         out.append(stack)

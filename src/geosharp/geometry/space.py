@@ -205,9 +205,7 @@ class PerturbationSpace:
         if geometry.pairs is not None:
             stacks, reduce = None, None
             if shards is not None:
-                if not isinstance(theta, Tensor):
-                    raise ValueError("a sharded space takes theta as the flat local vector")
-                stacks, reduce = localize(pairs, shards, theta, self.device), shards.reduce
+                stacks, reduce = localize(pairs, shards, self.device), shards.reduce
             self.pairs = PairSpace(
                 geometry.pairs, pairs, layout, params, self.device, stacks, reduce, self.dtype
             )

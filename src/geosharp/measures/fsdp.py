@@ -28,13 +28,20 @@ runs the forward on the batch it is given: give all processes the same batches (
 one-process value), or each its own share of one batch, when the loss is a mean over
 equal shares (FSDP averages the gradients and geosharp the losses).
 
-Random starts and directions are drawn whole on every process and sliced (the numbers
-of a single process: one transient parameter-sized vector per draw). Not available
-on a sharded model: ``entries=``, :func:`block_sharpness`, ``distributed=True`` (every process
-measures every batch), half-precision sharded parameters (shard float32 parameters
-and compute in half precision with ``fully_shard(mp_policy=...)`` or
-``autocast_dtype``), and the Hessian trace (double backward through FSDP2 is not
-supported by torch). :class:`geosharp.optim.GeodesicSAM` works on a sharded model.
+Random starts and directions are drawn block by block of ``2**20`` entries, each block
+from its own seed, and each process draws the blocks its slices meet (the numbers of
+a single process, without a whole vector anywhere).
+
+Half-precision (bfloat16/float16) shards are kept as they are and never written: the
+measure's vectors are float32 slices of the perturbed parameters, and each module that
+owns a perturbed parameter computes in float32 on it, all-gathered in float32 from the
+point (:class:`ShardedHalf`); the rest of the model runs through FSDP in its precision.
+The owners must be leaf modules (a ``Linear``, an ``Embedding``, a norm).
+
+Not available on a sharded model: ``entries=``, :func:`block_sharpness`,
+``distributed=True`` (every process measures every batch), and the Hessian trace
+(double backward through FSDP2 is not supported by torch).
+:class:`geosharp.optim.GeodesicSAM` works on a sharded model of float32 parameters.
 Under ``torchrun``, release the sharded model and call
 :func:`geosharp.distributed.close` at the end: a process that exits while FSDP's
 communication objects live can abort after its work is done.
@@ -42,19 +49,22 @@ communication objects live can abort after its work is done.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from ..distributed import all_reduce_max, all_reduce_sum
 from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
-from ..params import require_grad, scalar_loss
+from ..params import aliases, require_grad, scalar_loss
 from ..symmetry.pairs import Symmetries
+from .apgd import PointOverwritten
 
 __all__ = ["is_sharded", "placements", "shard"]
 
@@ -288,14 +298,191 @@ class ShardedModel:
             p.grad = g
 
 
-def check_shardable(dtype: torch.dtype, entries, distributed: bool) -> None:
+class _Slice:
+    """How one parameter is cut: ``Shard(dim)`` of ``size`` entries into chunks of
+    ``chunk`` over ``world`` processes (the last ones may hold fewer, or none)."""
+
+    def __init__(self, dim: int, size: int, world: int):
+        self.dim, self.size, self.world = dim, size, world
+        self.chunk = -(-size // world)
+
+    def gather(self, local: Tensor) -> Tensor:
+        """The whole parameter from every process's ``local`` slice (a collective), as a
+        view of one buffer of ``world * chunk`` rows along ``dim``."""
+        rows = local.movedim(self.dim, 0)
+        if rows.shape[0] < self.chunk:  # FSDP2's uneven Shard(0): padded here
+            padded = rows.new_zeros((self.chunk, *rows.shape[1:]))
+            padded.narrow(0, 0, rows.shape[0]).copy_(rows)
+            rows = padded
+        whole = rows.new_empty((self.world * self.chunk, *rows.shape[1:]))
+        dist.all_gather_single(whole, rows.contiguous())
+        return whole.narrow(0, 0, self.size).movedim(0, self.dim)
+
+    def scatter(self, grad: Tensor, length: int) -> Tensor:
+        """This process's ``length`` rows of the mean over processes of ``grad`` (a
+        collective: FSDP's reduce-scatter)."""
+        rows = grad.movedim(self.dim, 0)
+        padded = rows.new_zeros((self.world * self.chunk, *rows.shape[1:]))
+        padded.narrow(0, 0, self.size).copy_(rows)
+        mine = rows.new_empty((self.chunk, *rows.shape[1:]))
+        dist.reduce_scatter_single(mine, padded)
+        return mine.narrow(0, 0, length).div_(self.world).movedim(0, self.dim)
+
+
+class _Gathered(torch.autograd.Function):
+    """``local -> whole``: the all-gather of a slice; backward: its gradient's mean
+    over processes, reduce-scattered (the gradient of this process's slice)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, cut: _Slice) -> Tensor:
+        ctx.cut, ctx.length = cut, local.shape[cut.dim]
+        return cut.gather(local)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.cut.scatter(grad, ctx.length), None
+
+
+class _Again:
+    """A saved view of a gathered weight, kept as how to gather it again."""
+
+    __slots__ = ("cut", "leaf", "offset", "size", "stride", "version")
+
+    def __init__(self, leaf: Tensor, cut: _Slice, view: Tensor):
+        self.leaf, self.cut, self.version = leaf, cut, leaf._version
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def unpack(self) -> Tensor:
+        if self.leaf._version != self.version:  # its gradient was written over it
+            raise PointOverwritten("a weight gathered again after its point was overwritten")
+        whole = self.cut.gather(self.leaf.detach())
+        return whole.as_strided(self.size, self.stride, self.offset)
+
+
+class ShardedHalf:
+    """The loss of a half-precision sharded model with float32 only where the
+    perturbation lives: the point stays in the measure's own float32 slices (the
+    model's half-precision shards are never written), and each module that owns a
+    perturbed parameter computes in float32 on that parameter all-gathered in float32
+    from the point (its other weights, and its inputs, cast up; its outputs cast back),
+    the rest of the model on its own shards through FSDP. As FSDP does for its own
+    parameters, a gathered weight is not kept from the forward to the backward (what
+    autograd saves of it is gathered again there), and its gradient is reduce-scattered
+    to the slices, averaged over processes. Possible where every owner is a leaf module
+    (a ``Linear``, an ``Embedding``, a norm)."""
+
+    upcast = True
+
+    def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half: torch.dtype):
+        self.model, self.loss_fn, self.half = model, loss_fn, half
+        self.world = dist.get_world_size()
+        modules = dict(model.named_modules(remove_duplicate=False))
+        ids = {id(p): n for n, p in named}
+        self.owners: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
+        for p, names in aliases(model):
+            if id(p) not in ids:
+                continue
+            for full in names:
+                owner, _, attr = full.rpartition(".")
+                module = modules[owner]
+                if next(module.children(), None) is not None:
+                    raise UsageError(
+                        f"{full}: a half-precision sharded model is measured with float32 "
+                        f"perturbations in the modules that own them, and {owner or 'the model'} "
+                        "has submodules; perturb the parameters of leaf modules (Linear, "
+                        "Embedding, norms), or shard float32 parameters"
+                    )
+                self.owners.setdefault(id(module), (module, []))[1].append((attr, ids[id(p)]))
+        g = shards.global_layout
+        self.cuts = {
+            n: _Slice(shards.dims[n][0], g.shapes[g.names.index(n)][shards.dims[n][0]], self.world)
+            for n in g.names
+        }
+        self.shapes = dict(zip(shards.local.names, shards.local.shapes))
+
+    def mean(self, loss: Tensor) -> Tensor:
+        return all_reduce_sum()(loss.detach().reshape(()).float()) / self.world
+
+    @contextlib.contextmanager
+    def holding(self, tensors: Mapping[str, Tensor]):
+        """Inside, the owners compute in float32 on ``tensors`` (``{name: local slice}``,
+        read on each forward) all-gathered."""
+        half, handles, open_ = self.half, [], []
+
+        def up(x):
+            return x.float() if isinstance(x, Tensor) and x.dtype == half else x
+
+        def down(x):
+            return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
+
+        def before(module, args, kwargs):
+            saved, gathered = {}, {}
+            for attr, name in self.owners[id(module)][1]:
+                leaf = tensors[name].view(self.shapes[name])
+                whole = _Gathered.apply(leaf, self.cuts[name])
+                gathered[whole.untyped_storage().data_ptr()] = (leaf, self.cuts[name])
+                saved[attr] = module._parameters[attr]
+                module._parameters[attr] = whole
+            for table in (module._parameters, module._buffers):
+                for attr, t in table.items():
+                    if attr not in saved and isinstance(t, Tensor) and t.dtype == half:
+                        saved[attr] = t
+                        table[attr] = t.float()
+
+            def pack(t: Tensor):
+                if t.device.type == "meta" or not t.untyped_storage().nbytes():
+                    return t
+                found = gathered.get(t.untyped_storage().data_ptr())
+                return t if found is None else _Again(*found, t)
+
+            def unpack(x):
+                return x.unpack() if isinstance(x, _Again) else x
+
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            hooks.__enter__()
+            open_.append((module, saved, hooks))
+            return tree_map(up, args), tree_map(up, kwargs)
+
+        def after(module, _args, output):
+            _close(open_.pop())
+            return tree_map(down, output)
+
+        try:
+            for module, _ in self.owners.values():
+                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(module.register_forward_hook(after))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            while open_:  # a forward that raised
+                _close(open_.pop())
+
+    def loss(self, batch) -> Tensor:
+        return self.loss_fn(self.model, batch)
+
+    def evaluate(self, params: Mapping[str, Tensor], batch) -> Tensor:
+        """The loss at ``params`` (local float32 slices), averaged over processes."""
+        with torch.no_grad(), self.holding(params):
+            loss = self.loss_fn(self.model, batch)
+        reshard(self.model)
+        return self.mean(loss)
+
+    def restore(self, theta) -> None:
+        """Nothing to restore: the model's shards are never written."""
+        reshard(self.model)
+
+
+def _close(entry) -> None:
+    module, saved, hooks = entry
+    hooks.__exit__(None, None, None)
+    for attr, t in saved.items():
+        table = module._parameters if attr in module._parameters else module._buffers
+        table[attr] = t
+
+
+def check_shardable(entries, distributed: bool) -> None:
     """One-line errors for what a sharded model cannot be measured with."""
-    if dtype in (torch.float16, torch.bfloat16):
-        raise UsageError(
-            "the sharded parameters are half precision: shard float32 parameters and "
-            "compute in half precision with fully_shard(mp_policy=MixedPrecisionPolicy("
-            "param_dtype=torch.bfloat16)) or autocast_dtype"
-        )
     if entries is not None:
         raise UsageError("entries= is not available on a sharded model")
     if distributed:

@@ -36,6 +36,7 @@ from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import PointOverwritten
 from .fsdp import (
+    ShardedHalf,
     ShardedModel,
     check_shardable,
     is_sharded,
@@ -323,17 +324,20 @@ def find_target(
     dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
     if geo.metric is not None and symmetries is not None:
         say_ignored(symmetries, label_of(geo), strict)
-    if sharded:  # theta: a flat copy of this process's slices (the model holds the point)
-        check_shardable(dtype, *unsupported)
-        shards, local = local_shards(named)
-        theta = torch.cat([t.detach().reshape(-1) for t in local])
-        device = local[0].device
-        return Target(
-            named, pairs, shards.local, dtype, False, theta, device, symmetries, shards, local
-        )
     upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
         dtype = torch.float32
+    if sharded:
+        check_shardable(*unsupported)
+        shards, local = local_shards(named)
+        if upcast:  # theta: the model's own half-precision slices, never written
+            theta = {n: t.detach() for (n, _), t in zip(named, local)}
+        else:  # theta: a flat copy of this process's slices (the model holds the point)
+            theta = torch.cat([t.detach().reshape(-1) for t in local])
+        device = local[0].device
+        return Target(
+            named, pairs, shards.local, dtype, upcast, theta, device, symmetries, shards, local
+        )
     theta = {n: t.detach() for n, t in named}
     return Target(
         named,
@@ -513,9 +517,10 @@ class LossGrad:
     second accumulation is refused, both as :class:`~geosharp.measures.apgd.PointOverwritten`,
     for the caller to evaluate again with separate buffers."""
 
-    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None):
+    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None, mean=None):
         self.evaluate, self.layout = evaluate, layout
         self.batch, self.autocast, self.mask = batch, autocast, mask
+        self.mean = mean  # the loss's mean over processes (a sharded model)
 
     def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
         leaves, targets, filled = {}, {}, set()
@@ -557,7 +562,7 @@ class LossGrad:
                 targets[id(leaf)].zero_()
         if self.mask is not None:  # the entries measured; the rest stay fixed
             out.mul_(self.mask)
-        return loss_value(loss), out
+        return (loss_value(loss) if self.mean is None else self.mean(loss)), out
 
 
 def _own_version(view: Tensor) -> Tensor:
@@ -740,7 +745,7 @@ class Measurement:
     seed: int
     autocast: object
     floor_dtype: torch.dtype | None  # None: measured against float32 (autocast)
-    sharded: ShardedModel | None = None
+    sharded: ShardedModel | ShardedHalf | None = None
     mask: Tensor | None = None
     callback: object = None
     low_memory: bool = False
@@ -768,6 +773,9 @@ class Measurement:
 
     def objective(self, batch):
         """``(point, out) -> (loss, gradient into out)`` for Auto-PGD on ``batch``."""
+        if isinstance(self.sharded, ShardedHalf):
+            sharded = self.sharded
+            return LossGrad(sharded, self.layout, batch, self.autocast, mean=sharded.mean)
         if self.sharded is not None:
             return self.sharded.loss_grad(batch, self.autocast)
         return LossGrad(self.evaluate, self.layout, batch, self.autocast, self.mask)

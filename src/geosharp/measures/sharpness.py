@@ -38,7 +38,7 @@ from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
-from .fsdp import ShardedModel, is_sharded
+from .fsdp import ShardedHalf, ShardedModel, is_sharded
 from .problem import (
     Measurement,
     MixedPrecision,
@@ -254,13 +254,14 @@ def sharpness(
         if target.upcast and target.shards is None and autocast_dtype is None
         else None
     )
-    settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, mixed)
+    sharded = _sharded(model, target, loss_fn)
+    # the precision of the rest of a model measured in float32 where it is perturbed
+    half = mixed.half if mixed is not None else getattr(sharded, "half", None)
+    settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
     settings["low_memory"] = low_memory
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
-    sharded = None
-    if target.shards is not None:
-        sharded = ShardedModel(model, target.named, target.local, target.layout, loss_fn)
+    if sharded is not None:
         settings["sharded"] = torch.distributed.get_world_size()
     shown = (torch.distributed.get_rank() if sharded is not None else rank) == 0
     n_batches = total if max_batches is None or total is None else min(total, max_batches)
@@ -272,7 +273,10 @@ def sharpness(
     with (
         evaluation_mode(model),
         # no gradient for what is not perturbed
-        frozen_except(model, [n for n, _ in target.named]),
+        # (a half-precision sharded model: none; the float32 point's slices get them)
+        frozen_except(
+            model, [] if isinstance(sharded, ShardedHalf) else [n for n, _ in target.named]
+        ),
         matmuls(target.device, matmul_precision, settings),
         restoring(sharded, target.theta),
         mixed.active() if mixed is not None else contextlib.nullcontext(),
@@ -295,6 +299,16 @@ def sharpness(
 
         records = gather_in_order(records, key=lambda r: r.index)
     return _result(records, geo, estimator, rho, settings, target, nonfinite, strict)
+
+
+def _sharded(model, target: Target, loss_fn) -> ShardedModel | ShardedHalf | None:
+    """The loss of a sharded model at a point: written into its float32 shards, or
+    gathered in float32 beside its half-precision shards; ``None`` if not sharded."""
+    if target.shards is None:
+        return None
+    if target.upcast:
+        return ShardedHalf(model, target.named, target.shards, loss_fn, target.named[0][1].dtype)
+    return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
 
 def _checked_estimator(estimator: Estimator | None) -> Estimator:
@@ -334,7 +348,7 @@ def _radius(rho: object, geo: Geometry, parameters) -> float:
     return checked_rho(rho)
 
 
-def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, mixed) -> dict:
+def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, half) -> dict:
     """What the result records of how it was measured."""
     worst = isinstance(estimator, WorstCase)
 
@@ -343,8 +357,8 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
 
     if autocast_dtype is not None:
         precision = f"{name(autocast_dtype)} autocast"
-    elif mixed is not None:
-        precision = f"float32 in the perturbed modules, {name(mixed.half)} elsewhere"
+    elif half is not None:
+        precision = f"float32 in the perturbed modules, {name(half)} elsewhere"
     else:
         precision = name(target.dtype)
     return dict(
@@ -376,7 +390,9 @@ def _measurement(
         dtype=target.dtype,
     )  # fmt: skip
     theta = target.theta
-    if sharded is not None:
+    if isinstance(sharded, ShardedHalf):
+        evaluate, theta = sharded.evaluate, Widened(theta, target.dtype)
+    elif sharded is not None:
         evaluate, theta = sharded.evaluate, target.layout.unflatten(theta)
     else:
         base = mixed.base if mixed is not None else None
@@ -386,7 +402,7 @@ def _measurement(
                 base = float32_copies(model, target.named)
         evaluate = functional_loss(model, loss_fn, base)
     # the rest of a half-precision model computes in its own precision
-    floor_dtype = mixed.half if mixed is not None else target.dtype
+    floor_dtype = mixed.half if mixed is not None else getattr(sharded, "half", target.dtype)
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
         autocast_for(target.device, autocast_dtype),

@@ -333,12 +333,18 @@ class Symmetries:
                     raise ValueError(f"pair {pair.name}: index out of range for {block.param!r}")
         if sum(self._claimed().values()) > max_entries:
             return
-        for name, count in self.coverage().items():
-            if bool((count > 1).any()):
-                raise ValueError(
-                    f"parameter {name!r} has entries claimed by two symmetric pairs; "
-                    "each entry may belong to one pair only"
-                )
+        seen: dict[str, Tensor] = {}  # one byte per entry of the parameters in pairs
+        for pair in self.pairs:
+            for block in pair.g_blocks + pair.h_blocks:
+                size = torch.Size(self.parameters[block.param]).numel()
+                mask = seen.setdefault(block.param, torch.zeros(size, dtype=torch.bool))
+                index = block.index.reshape(-1)
+                if bool(mask[index].any()) or index.unique().numel() < index.numel():
+                    raise ValueError(
+                        f"parameter {block.param!r} has entries claimed by two symmetric "
+                        "pairs; each entry may belong to one pair only"
+                    )
+                mask[index] = True
 
     def restrict(self, names: Sequence[str]) -> Symmetries:
         """Keep the pairs whose parameters are all in ``names``."""
