@@ -123,6 +123,14 @@ def errors():
     out["default plan"] = [
         geosharp.sharpness(m, batches, loss_fn, "geodesic-inv", **kw).value for m in (plain, model)
     ]
+    # each process holds the rows of one head: the others' are not kept; random tangents
+    # are drawn for every head on every process
+    drawn = dict(kw, estimator=geosharp.AverageCase(n_samples=2), seed=7)
+    out["default plan, random"] = [
+        geosharp.sharpness(m, batches, loss_fn, measure, **drawn).value
+        for measure in ("geodesic-inv", "geodesic-mix")
+        for m in (plain, model)
+    ]
     # no symmetries passed: found on the sharded model's structure (meta device)
     kw.pop("symmetries")
     found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)

@@ -83,6 +83,9 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert messages["adaptive needs no pairs"] > 0
     one, many = messages["default plan"]  # 4 heads on 4 processes: FSDP2's Shard(0)
     assert abs(many - one) <= 1e-8 * abs(one)
+    inv_one, inv_many, mix_one, mix_many = messages["default plan, random"]
+    assert abs(inv_many - inv_one) <= 1e-8 * abs(inv_one)
+    assert abs(mix_many - mix_one) <= 1e-8 * abs(mix_one)
     found, n_pairs = messages["default plan, pairs from the structure"]
     assert n_pairs == messages["pairs found before sharding"]
     assert abs(found - one) <= 1e-8 * abs(one)

@@ -120,3 +120,33 @@ def test_identity_reduce_changes_nothing():
     for metric in (InvMetric(), MixMetric()):
         plain, reduced = metric.state(G, H), metric.state(G, H, reduce=all_reduce_sum())
         assert all(torch.equal(a, b) for a, b in zip(plain.proju(x), reduced.proju(x)))
+
+
+def test_a_shard_of_whole_heads_keeps_the_blocks_of_those_heads_only():
+    """FSDP2's ``Shard(0)`` gives the first process the first half of the query, key and
+    value heads, whole: its query/key stack keeps 2 of the 4 heads (the others' blocks
+    would be zeros), while the value/output stack keeps all 4 (it holds some output rows
+    of every head)."""
+    from transformers import BertConfig, BertModel
+
+    from geosharp.geometry.sharded import Shards, localize
+    from geosharp.layout import ParameterLayout
+    from geosharp.symmetry.discovery import find_symmetries
+
+    config = BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=4, intermediate_size=8)  # fmt: skip
+    model = BertModel(config)
+    symmetries = find_symmetries(model, warn=False)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    dims = {n: (0, 0, -(-p.shape[0] // 2)) for n, p in named}  # process 0 of 2
+    local = [(n, p[: dims[n][2]]) for n, p in named]
+    shards = Shards(ParameterLayout.from_named(named), ParameterLayout.from_named(local), dims,
+                    reduce=lambda t: t, reduce_max=lambda t: t)  # fmt: skip
+    stacks = {
+        tuple(sorted({b.param.rsplit(".", 2)[-2] for b in s.specs[0].g_blocks})): s
+        for s in localize(symmetries.pairs, shards, torch.device("cpu"))
+    }
+    qk, vo = stacks[("query",)], stacks[("value",)]
+    assert qk.shapes[0][0] == qk.shapes[1][0] == 2 and qk.count == 4
+    assert qk.heads.tolist() == [0, 1] and qk.owned.all()
+    assert vo.shapes[0][0] == vo.shapes[1][0] == 4 and vo.heads is None

@@ -267,6 +267,8 @@ class InvState(PairState):
                 for shape in _whole_shapes(G, H, rows)
             ]
             if rows is not None:
+                if rows.heads is not None:
+                    noise = [x[rows.heads] for x in noise]
                 noise = [_take_rows(x, r) for x, r in zip(noise, (rows.g, rows.h))]
             xiG, xiH = xiG + root * noise[0], xiH + root * noise[1]
         return xiG, xiH
@@ -526,18 +528,24 @@ def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str
 class Rows:
     """The rows of a stack of pairs held by this process: ``g`` ``(B, n_local)`` and
     ``h`` ``(B, m_local)`` global row numbers (``-1``: a zero phantom row), of ``n``
-    and ``m`` rows in all."""
+    and ``m`` rows in all; ``heads`` ``(B,)``: which of the stack's ``count`` heads
+    they are (``None``: all, in order); ``total`` sums a tensor over the processes
+    (``None``: the state's ``reduce``)."""
 
     g: Tensor
     h: Tensor
     n: int
     m: int
+    heads: Tensor | None = None
+    count: int | None = None
+    total: Reduce | None = None
 
 
 def _whole_shapes(G: Tensor, H: Tensor, rows: Rows | None) -> tuple[tuple, tuple]:
     if rows is None:
         return tuple(G.shape), tuple(H.shape)
-    return (G.shape[0], rows.n, G.shape[2]), (H.shape[0], rows.m, H.shape[2])
+    count = G.shape[0] if rows.count is None else rows.count
+    return (count, rows.n, G.shape[2]), (count, rows.m, H.shape[2])
 
 
 def _take_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -560,7 +568,8 @@ def _sharded(state: PairState, rows: Rows | None, factors: str) -> dict:
             (rows.n, rows.m),
             (side[factors[0]], side[factors[1]]),
             (rows.g, rows.h),
-            state.reduce,
+            state.reduce if rows.total is None else rows.total,
+            (rows.heads, rows.count),
         )
     }
 
@@ -577,26 +586,48 @@ def _gaussian_products(
     """``(W g_factor, W' h_factor)`` with standard Gaussian ``W`` (``n x n``), ``W'``
     (``m x m``), drawn head by head in chunks of at most ``chunk`` numbers.
 
-    ``shards``: the factors hold some rows of the whole pair's (see :func:`_sharded`);
-    ``W`` is drawn whole, each process multiplies the columns of its factor rows, the
-    products are summed over processes and the rows held here kept: the same numbers
-    as the whole pair's."""
-    heads = G.shape[0]
-    n, m = G.shape[1], H.shape[1]
-    k_g, k_h = g_factor.shape[1], h_factor.shape[1]
+    ``shards``: the factors hold some rows of the whole pair's, of some of its heads
+    (see :func:`_sharded`); ``W`` is drawn whole for every head of the stack, each
+    process multiplies the columns of its factor rows, the products are summed over
+    processes and the rows held here kept: the same numbers as the whole pair's."""
     if shards is not None:
-        (n, m), ((f_g, k_g), (f_h, k_h)), out_rows, total = shards
-    step = max(1, chunk // max(n * k_g, m * k_h))
+        return _sharded_products(G, g_factor, h_factor, generator, chunk, shards)
+    heads, n, m = G.shape[0], G.shape[1], H.shape[1]
+    step = max(1, chunk // max(n * g_factor.shape[1], m * h_factor.shape[1]))
     parts: list[list[Tensor]] = [[], []]
     for start in range(0, heads, step):
         sl = slice(start, start + step)
         count = g_factor[sl].shape[0]
+        for i, (size, factor) in enumerate(((n, g_factor), (m, h_factor))):
+            W = torch.randn(
+                count, size, factor.shape[1], generator=generator, dtype=G.dtype, device=G.device
+            )
+            parts[i].append(W @ factor[sl])
+    return torch.cat(parts[0]), torch.cat(parts[1])
+
+
+def _sharded_products(G: Tensor, g_factor, h_factor, generator, chunk: int, shards) -> Tangent:
+    """:func:`_gaussian_products` on row shards: the heads of the stack drawn in the same
+    chunks on every process, each process's factor rows (of the heads it holds, zero
+    for the others) multiplied in, summed over processes."""
+    (n, m), ((f_g, k_g), (f_h, k_h)), out_rows, total, (heads, count) = shards
+    if heads is None:
+        heads = torch.arange(G.shape[0], device=G.device)
+        count = G.shape[0]
+    step = max(1, chunk // max(n * k_g, m * k_h))
+    parts: list[list[Tensor]] = [[], []]
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        here = ((heads >= start) & (heads < stop)).nonzero().reshape(-1)  # local heads
+        at = heads[here] - start  # their places in the chunk
         for i, (size, k, factor) in enumerate(((n, k_g, g_factor), (m, k_h, h_factor))):
-            W = torch.randn(count, size, k, generator=generator, dtype=G.dtype, device=G.device)
-            if shards is None:
-                parts[i].append(W @ factor[sl])
-                continue
-            cols = (f_g, f_h)[i][sl].clamp_min(0)  # phantom rows of a factor are zero
+            W = torch.randn(
+                stop - start, size, k, generator=generator, dtype=G.dtype, device=G.device
+            )
+            held = factor.new_zeros((stop - start, *factor.shape[1:]))
+            held[at] = factor[here]
+            cols = torch.zeros((stop - start, factor.shape[1]), dtype=torch.long, device=G.device)
+            cols[at] = (f_g, f_h)[i][here].clamp_min(0)  # phantom rows of a factor are zero
             W = torch.gather(W, 2, cols[:, None, :].expand(-1, size, -1))
-            parts[i].append(_take_rows(total(W @ factor[sl]), out_rows[i][sl]))
+            parts[i].append(_take_rows(total(W @ held)[at], out_rows[i][here]))
     return torch.cat(parts[0]), torch.cat(parts[1])

@@ -40,7 +40,8 @@ class Shards:
 
     ``global_layout``: the whole parameters (the one-process layout); ``local``: the
     slices held here, in the same order; ``dims[name] = (dim, start, length)``.
-    ``reduce`` sums a tensor over the processes, ``reduce_max`` takes its maximum.
+    ``reduce`` sums a tensor over the processes, ``reduce_max`` takes its maximum;
+    ``rank``: this process's number.
     """
 
     global_layout: ParameterLayout
@@ -48,6 +49,7 @@ class Shards:
     dims: dict[str, tuple[int, int, int]]
     reduce: Reduce
     reduce_max: Reduce
+    rank: int = 0
 
     def slice_(self, whole: Tensor, out: Tensor) -> Tensor:
         """Write the local entries of ``whole`` (a flat vector of the global layout) into
@@ -91,10 +93,12 @@ class Shards:
 
 class ShardedStack(StackedPairs):
     """The rows held here of a :class:`~geosharp.geometry.stacked.StackedPairs`: blocks
-    ``(B, n_local, h)``, zero on phantom rows (never written). Read and written through
-    strided views of the held rows where they allow, else through explicit positions.
-    ``rows`` are the global row numbers of the local rows (``-1``: phantom), ``whole``
-    the global ``(n, m)``, for the sampler."""
+    ``(B, n_local, h)`` of the ``B`` heads of which this process holds a row (``heads``,
+    of the stack's ``count``), zero on phantom rows (never written). Read and written
+    through strided views of the held rows where they allow, else through explicit
+    positions. ``rows`` are the global row numbers of the local rows (``-1``: phantom),
+    ``whole`` the global ``(n, m)``, for the sampler. ``reduce`` sums a tensor of
+    per-head values over the processes, each head's over those that hold it."""
 
     def __init__(
         self,
@@ -106,11 +110,19 @@ class ShardedStack(StackedPairs):
         rows: tuple[Tensor, Tensor],
         local: ParameterLayout,
         device: torch.device,
+        heads: tuple[Tensor, int] | None = None,
+        reduce: Reduce | None = None,
     ):
         self.specs, self.layout, self.device, self.group = specs, None, device, group
         self.state = None
         self.rows = tuple(r.to(self.device) for r in rows)
         self.whole = whole
+        self.heads, self.count = (None, None) if heads is None else heads
+        if self.heads is not None:
+            self.heads = self.heads.to(self.device)
+        self._total = reduce  # the sampler's: its tensors run over every head
+        self.owned: Tensor | None = None  # the local heads whose values this process sums
+        self.reduce = reduce if self.heads is None else _on_heads(reduce, self.heads, self.count)
         self.shapes = (g_local.shape, h_local.shape)
         segments = tuple(_held_segments(i) for i in (g_local, h_local))
         if all(s is not None for s in segments):
@@ -207,7 +219,24 @@ class ShardedStack(StackedPairs):
         return flat
 
     def sample(self, generator: torch.Generator | None):
-        return self.state.sample(generator, rows=Rows(*self.rows, *self.whole))
+        rows = Rows(*self.rows, *self.whole, self.heads, self.count, self._total)
+        return self.state.sample(generator, rows=rows)
+
+
+def _on_heads(reduce: Reduce | None, heads: Tensor, count: int) -> Reduce | None:
+    """``reduce`` of per-head tensors ``(len(heads), ...)`` of some of ``count`` heads:
+    spread over all of them (zero for the heads not held here), summed, taken back."""
+    if reduce is None:
+        return None
+
+    def on_heads(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != heads.numel():
+            raise ValueError(f"a per-head sum over {heads.numel()} heads got shape {t.shape}")
+        whole = t.new_zeros((count, *t.shape[1:]))
+        whole[heads] = t
+        return reduce(whole)[heads]
+
+    return on_heads
 
 
 def _held_segments(index: Tensor) -> list | None:
@@ -242,16 +271,25 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
             n_local = max((p[0].shape[1] for p in parts), default=0)
             sides.append(torch.cat([_pad_rows(p[0], n_local) for p in parts]))
             rows.append(torch.cat([_pad_rows(p[1], n_local) for p in parts]))
+        # the heads of which a row is held here (a Shard(0) plan holds whole heads), and
+        # those of them whose per-head values this process adds up (the last holder's)
+        held = (rows[0] >= 0).any(1) | (rows[1] >= 0).any(1)
+        heads = held.nonzero().reshape(-1)
+        last = shards.reduce_max(torch.where(held, shards.rank, -1).to(torch.float64))
+        owned = (last == shards.rank)[heads]
         stack = ShardedStack(
             specs,
             group,
             (n, m),
-            sides[0],
-            sides[1],
-            (rows[0], rows[1]),
+            sides[0][heads],
+            sides[1][heads],
+            (rows[0][heads], rows[1][heads]),
             shards.local,
             torch.device(device),
+            (heads, held.numel()) if heads.numel() < held.numel() else None,
+            shards.reduce,
         )
+        stack.owned = owned.to(stack.device)
         out.append(stack)
     return out
 

@@ -223,8 +223,10 @@ class PairSpace:
     def set_states(self, params: dict[str, Tensor]) -> None:
         """The pair states at ``params`` (views of the base point)."""
         self._params = params
-        extra = {} if self.reduce is None else {"reduce": self.reduce}
         for block in self.blocks:
+            # row shards: the sum over processes, of the heads the block holds
+            reduce = getattr(block, "reduce", self.reduce)
+            extra = {} if reduce is None else {"reduce": reduce}
             blocks = block.gather_params(params)
             if self.dtype is not None:
                 blocks = tuple(b.to(self.dtype) for b in blocks)
@@ -265,9 +267,16 @@ class PairSpace:
 
     def inner(self, xi: Tensor, eta: Tensor, total: Tensor) -> Tensor:
         """``total`` plus the pair metric's ``g(xi, eta)`` summed over pairs."""
+        shared = None  # row shards: each head's value added once, over the processes
         for block in self.blocks:
-            total = total + block.state.inner(block.gather(xi), block.gather(eta)).sum()
-        return total
+            values = block.state.inner(block.gather(xi), block.gather(eta))
+            owned = getattr(block, "owned", None)
+            if owned is None:
+                total = total + values.sum()
+            else:
+                part = values[owned].sum()
+                shared = part if shared is None else shared + part
+        return total if shared is None else total + self.reduce(shared)
 
     def proju_(self, xi: Tensor) -> Tensor:
         for block in self.blocks:

@@ -231,6 +231,7 @@ def local_shards(named: list[tuple[str, Tensor]]) -> tuple[Shards, list[Tensor]]
         dims,
         all_reduce_sum(),
         all_reduce_max(),
+        rank,
     )
     return shards, locals_
 
