@@ -207,7 +207,7 @@ class PerturbationSpace:
             if shards is not None:
                 stacks, reduce = localize(pairs, shards, self.device), shards.reduce
             self.pairs = PairSpace(
-                geometry.pairs, pairs, layout, params, self.device, stacks, reduce, self.dtype
+                geometry.pairs, pairs, layout, params, self.device, stacks, reduce
             )
         claimed = self.pairs.claimed(params) if self.pairs is not None else {}
         self.elementwise = ElementwiseSpace(

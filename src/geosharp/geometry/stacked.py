@@ -210,10 +210,8 @@ class PairSpace:
         device: torch.device,
         stacks: list[StackedPairs] | None = None,
         reduce=None,
-        dtype: torch.dtype | None = None,
     ):
         self.factor = factor
-        self.dtype = dtype  # of the states' blocks (default: the parameters')
         self.ball, self.geodesic = factor.ball, factor.geodesic
         self.layout = layout
         self.reduce = reduce  # row shards: the sum over processes (else None)
@@ -227,9 +225,9 @@ class PairSpace:
             # row shards: the sum over processes, of the heads the block holds
             reduce = getattr(block, "reduce", self.reduce)
             extra = {} if reduce is None else {"reduce": reduce}
+            # in the parameters' own dtype (a half-precision model's: half the memory of
+            # float32, and exact: the state's maths reads them in float64)
             blocks = block.gather_params(params)
-            if self.dtype is not None:
-                blocks = tuple(b.to(self.dtype) for b in blocks)
             state = self.factor.metric.state(*blocks, **extra)
             block.state = restrict_state(state, block.group)
 
