@@ -188,11 +188,15 @@ class PairState(ABC):
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def _operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``G, H, P^{-1}, Q^{-1}`` in ``dtype`` (cached; ``G, H`` in their own dtype are
-        themselves, not copies): the hot path's operands."""
+        """``G, H, P^{-1}, Q^{-1}`` in ``dtype``: the hot path's operands. ``G, H`` in
+        their own dtype are themselves; in another (bfloat16 blocks read in float32) a
+        copy for the call, not kept (it would be a block-sized vector); the ``h x h``
+        matrices are cached."""
         return tuple(self._cast(n, dtype) for n in ("G", "H", "P_inv", "Q_inv"))  # type: ignore[return-value]
 
     def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
+        if name in ("G", "H"):
+            return getattr(self, name).to(dtype)
         cache = self.__dict__.setdefault("_casts", {})
         key = (name, dtype)
         if key not in cache:
