@@ -3,7 +3,8 @@ the CPU: memory in float32 buffers of the perturbed parameters, and time per Aut
 step against one forward+backward.
 
     python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128] [--low-memory]
-    python benchmarks/bench_llama_bf16.py --report out.json   # the tables of the docs
+    python benchmarks/bench_llama_bf16.py --fsdp [--plan rows] --json fsdp.json
+    python benchmarks/bench_llama_bf16.py --report out.json --sharded-report fsdp.json
 
 The shape is TinyLlama-1.1B's (22 layers, width 2048, 32 query and 4 key/value heads,
 MLP 5632, vocabulary 32,000), random weights in bfloat16, one batch of ``--tokens``
@@ -13,7 +14,14 @@ parameters only); ``adaptive-attn`` and ``geodesic-inv-attn`` measure 3 Auto-PGD
 Reported: the growth of the peak resident size over the loaded model, the measure's
 growth beyond the step's in float32 vectors of the perturbed parameters, and the median
 time between two evaluations of the measure over the step's time. Run on a quiet
-machine; one FSDP2 run is not possible yet (half-precision shards are refused).
+machine.
+
+``--fsdp``: the same on 2 processes (``torchrun``, gloo, one thread each), the model
+built on the meta device and sharded there (FSDP2's default plan, or with ``--plan
+rows`` :func:`geosharp.fsdp.shard`'s), bfloat16 shards; its pairs found on its
+structure (``symmetries=`` not passed). Memory is each process's rise of its peak
+resident size over its size after a warm-up step, in float32 vectors of its slices of
+the perturbed parameters; the largest over the processes.
 """
 
 from __future__ import annotations
@@ -244,23 +252,26 @@ PROJECTED = {
 }
 
 
-def report(rows: list[dict], tokens: int = 2048) -> str:
-    """The measured rows as a table, and what they project for LLaMA-2 on GPUs of 80 GB:
-    per process, the bfloat16 model (sharded over the processes), one training step's
-    bfloat16 gradients of the perturbed parameters, the measure's float32 vectors beyond
-    that step (as measured here, per perturbed parameter) and activations at one
-    sequence of ``tokens`` tokens (per token, layer and width as measured here), in GB;
-    without activation checkpointing, and with it (each layer's bfloat16 input kept, one
-    layer's activations at a time)."""
+def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = None) -> str:
+    """The measured rows as a table (one process, then ``sharded``, the rows of a run on
+    2 FSDP2 processes, whose vectors are of each process's slices), and what they
+    project for LLaMA-2 on GPUs of 80 GB: per process, the bfloat16 model (sharded over
+    the processes), one training step's bfloat16 gradients of the perturbed parameters,
+    the measure's float32 vectors beyond that step (as measured, per perturbed
+    parameter: one process's for 7B on one GPU, a sharded process's for 70B on 8 when
+    given) and activations at one sequence of ``tokens`` tokens (per token, layer and
+    width as measured here), in GB; without activation checkpointing, and with it (each
+    layer's bfloat16 input kept, one layer's activations at a time)."""
     step = next(r for r in rows if r["mode"] == "step")
     measured = [
         "| run | parameters | perturbed | tokens | peak growth (MiB) | float32 vectors of the "
         "perturbed beyond the step | time per evaluation | x forward+backward |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in [*rows, *(sharded or [])]:
+        run = r["mode"] + (f", {r['processes']} processes" if "processes" in r else "")
         measured.append(
-            f"| {r['mode']} | {r['parameters'] / 1e9:.2f}B | {r['perturbed'] / 1e6:.0f}M | "
+            f"| {run} | {r['parameters'] / 1e9:.2f}B | {r['perturbed'] / 1e6:.0f}M | "
             f"{r['tokens']} | {r['peak_growth_mib']:.0f} | {r['buffers_beyond_step']:.2f} | "
             f"{r['seconds']:.2f} s | {r['step_over_forward_backward']:.2f} |"
         )
@@ -274,8 +285,9 @@ def report(rows: list[dict], tokens: int = 2048) -> str:
     ]
     for name, (params, attention, layers, width) in PROJECTED.items():
         gpus = 1 if name.endswith("7B") else 8
+        per_process = sharded if sharded is not None and gpus > 1 else rows
         for what, perturbed in (("attention", attention), ("all", params)):
-            for r in rows[1:]:
+            for r in per_process[1:]:
                 model = 2 * params / gpus / 1e9
                 grads = 2 * perturbed / gpus / 1e9
                 vectors = 4 * r["buffers_beyond_step"] * perturbed / gpus / 1e9
@@ -298,6 +310,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--report", default=None, help="print the tables of a results file")
+    parser.add_argument(
+        "--sharded-report", default=None, help="with --report: the results of an --fsdp run"
+    )
     parser.add_argument("--low-memory", action="store_true", help="measure with low_memory=True")
     parser.add_argument(
         "--mmap-threshold",
@@ -327,7 +342,12 @@ def main() -> None:
         return
     if args.report:
         with open(args.report) as f:
-            print(report(json.load(f)))
+            rows = json.load(f)
+        sharded = None
+        if args.sharded_report:
+            with open(args.sharded_report) as f:
+                sharded = json.load(f)
+        print(report(rows, sharded=sharded))
         return
     rows = []
     env = dict(os.environ)

@@ -9,18 +9,16 @@ in GB (1e9 bytes), leaving activations aside (they depend on the batch and on
 activation checkpointing):
 
 * the model's float32 shards and one training step's gradients, ``4 P / 8`` each
-  (sharded parameters must be float32; the gradients counted are the whole model's, as
-  a training step makes them: the measure itself makes those of the perturbed only);
+  (the gradients counted are the whole model's, as a training step makes them: the
+  measure itself makes those of the perturbed only);
 * the measure: ``b x 4 P_perturbed / 8``, ``b`` the buffers per process measured at the
   largest number of processes of the benchmark (worst over adaptive, ``inv`` and
   ``mix``), for the whole model and for the attention pairs only;
 * random starts and directions are drawn per process, a block of 2^20 numbers (4 MiB)
   at a time (:mod:`geosharp.geometry.draws`): nothing of the parameters' size.
 
-The rows "attention, as needed" assume what geosharp does not do yet on a sharded
-model: bfloat16 model shards with float32 buffers for the perturbed parameters (half
-precision shards are refused), with the target of 4 buffers and gradients of the
-perturbed parameters only.
+Float32 shards only: bfloat16 shards, measured on a 1.1B LLaMA, are projected by
+``bench_llama_bf16.py --report ... --sharded-report ...``.
 """
 
 from __future__ import annotations
@@ -91,16 +89,6 @@ def table(bench: dict) -> str:
                 f"| {name} | {what} | {p / 1e9:.2f}B | {base:.1f} | {a:.1f} ({b:.1f}) "
                 f"| {base + a:.1f} ({base + b:.1f}) |"
             )
-    # what geosharp would need: bfloat16 shards of the model, gradients of the perturbed
-    # parameters only, the target of 4 buffers
-    for name, config in MODELS.items():
-        total, attention = counts(*config)
-        base = (2 * total + 4 * attention) / GPUS / 1e9
-        a = 4 * 4 * attention / GPUS / 1e9
-        lines.append(
-            f"| {name} | attention, as needed | {attention / 1e9:.2f}B | {base:.1f} | {a:.1f} "
-            f"| {base + a:.1f} |"
-        )
     lines.append("")
     lines.append(
         f"GB per process of {GPU_GB} GB, {GPUS} processes; buffers per process measured at "

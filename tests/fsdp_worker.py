@@ -83,8 +83,20 @@ def errors():
     from torch.distributed.fsdp import fully_shard
 
     out = {}
+    torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
-    fully_shard(plain.to(torch.float64))
+    plain = plain.to(torch.float64).eval()
+    # its attention holds in_proj_weight and has a submodule: the point is written into
+    # the shards (not gathered), and the base point written back
+    unsharded = copy.deepcopy(plain)
+    fully_shard(plain)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    before = [p.to_local().clone() for p in plain.parameters()]
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=3))
+    out["written into the shards"] = [
+        geosharp.sharpness(m, [x], lambda m, b: m(b).square().mean(), "adaptive", **kw).value
+        for m in (unsharded, plain)
+    ] + [all(torch.equal(b, p.to_local()) for b, p in zip(before, plain.parameters()))]
     try:  # not a Hugging Face model: its structure cannot be rebuilt on the meta device
         geosharp.sharpness(plain, [torch.zeros(2, 3, 8)], lambda m, b: m(b).sum(), "geodesic-inv")
         out["no symmetries"] = None

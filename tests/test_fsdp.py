@@ -65,7 +65,9 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
 
 
 def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
-    """Four processes on a 2-head BERT sharded by FSDP2's default (``Shard(0)``): each
+    """A float32 model whose attention has a submodule gets the point written into its
+    shards (not gathered) and its shards back. Four processes on a 2-head BERT sharded
+    by FSDP2's default (``Shard(0)``): each
     query head's 8 weight rows are cut over two processes, refused with its fix, whether
     the pairs were found before sharding or (passed none) on the model's structure
     rebuilt on the meta device; a sharded model that is not a Hugging Face one needs its
@@ -76,6 +78,8 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     found on its structure (the same pairs as found on the unsharded model)."""
     messages = runs[4]["results"]["errors"]
     assert "found before sharding" in messages["no symmetries"]
+    one, many, restored = messages["written into the shards"]
+    assert abs(many - one) <= 1e-8 * abs(one) and restored
     for key in ("split rows", "found on the structure"):
         split = messages[key]
         assert "split across processes" in split and "query.weight" in split
@@ -141,10 +145,17 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     spec = importlib.util.spec_from_file_location("bench", root / "benchmarks/bench_llama_bf16.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = json.loads((root / "docs/results/llama_bf16/bench.json").read_text())
-    assert [r["mode"] for r in rows] == ["step", "adaptive-attn", "geodesic-inv-attn"]
-    assert bench.report(rows) in (root / "docs/performance.md").read_text()
     results = root / "docs/results/llama_bf16"
+    rows = json.loads((results / "bench.json").read_text())
+    sharded, by_rows = (
+        json.loads((results / f"{n}.json").read_text())
+        for n in ("fsdp_default_mmap", "fsdp_rows_mmap")
+    )
+    for r in (rows, sharded, by_rows):
+        assert [x["mode"] for x in r] == ["step", "adaptive-attn", "geodesic-inv-attn"]
+    assert all(x["processes"] == 2 for x in sharded + by_rows)
+    assert {x["plan"] for x in sharded} == {"default"} and {x["plan"] for x in by_rows} == {"rows"}
+    assert bench.report(rows, sharded=sharded) in (root / "docs/performance.md").read_text()
     low, mmap = (
         json.loads((results / f"{n}.json").read_text()) for n in ("bench_low_memory", "bench_mmap")
     )
@@ -166,6 +177,16 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     assert (
         f"({low[1]['seconds_per_step']:.2f} s per step against "
         f"{adaptive['seconds_per_step']:.2f} s)" in docs
+    )
+    assert (
+        f"(sharded, `--mmap-threshold`): {sharded[1]['buffers_beyond_step']:.2f} and "
+        f"{sharded[2]['buffers_beyond_step']:.2f} with FSDP2's default plan, "
+        f"{by_rows[1]['buffers_beyond_step']:.2f} and {by_rows[2]['buffers_beyond_step']:.2f} "
+        "with `geosharp.fsdp.shard`'s" in docs
+    )
+    assert (
+        f"{sharded[1]['step_over_forward_backward']:.2f}x and "
+        f"{sharded[2]['step_over_forward_backward']:.2f}x on 2 processes" in docs
     )
     readme = " ".join((root / "README.md").read_text().split())
     assert (

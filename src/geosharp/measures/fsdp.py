@@ -32,11 +32,14 @@ Random starts and directions are drawn block by block of ``2**20`` entries, each
 from its own seed, and each process draws the blocks its slices meet (the numbers of
 a single process, without a whole vector anywhere).
 
-Half-precision (bfloat16/float16) shards are kept as they are and never written: the
-measure's vectors are float32 slices of the perturbed parameters, and each module that
-owns a perturbed parameter computes in float32 on it, all-gathered in float32 from the
-point (:class:`ShardedHalf`); the rest of the model runs through FSDP in its precision.
-The owners must be leaf modules (a ``Linear``, an ``Embedding``, a norm).
+Where every module that owns a perturbed parameter is a leaf (a ``Linear``, an
+``Embedding``, a norm), the model's shards are never written: each such module
+computes on its perturbed parameters all-gathered from the measure's point, the rest
+of the model runs through FSDP (:class:`ShardedGathered`). Half-precision
+(bfloat16/float16) shards are measured this way only: the measure's vectors are float32
+slices, and the owners compute in float32 on the float32 gathered parameters. Other
+float32 models get the point written into their shards, and the base point, kept as a
+flat copy, written back at the end (:class:`ShardedModel`).
 
 Not available on a sharded model: ``entries=``, :func:`block_sharpness`,
 ``distributed=True`` (every process measures every batch), and the Hessian trace
@@ -308,8 +311,8 @@ class _Slice:
         self.chunk = -(-size // world)
 
     def gather(self, local: Tensor) -> Tensor:
-        """The whole parameter from every process's ``local`` slice (a collective), as a
-        view of one buffer of ``world * chunk`` rows along ``dim``."""
+        """The whole parameter from every process's ``local`` slice (a collective),
+        contiguous as the model's own (so that it computes with the same kernels)."""
         rows = local.movedim(self.dim, 0)
         if rows.shape[0] < self.chunk:  # FSDP2's uneven Shard(0): padded here
             padded = rows.new_zeros((self.chunk, *rows.shape[1:]))
@@ -317,7 +320,8 @@ class _Slice:
             rows = padded
         whole = rows.new_empty((self.world * self.chunk, *rows.shape[1:]))
         dist.all_gather_single(whole, rows.contiguous())
-        return whole.narrow(0, 0, self.size).movedim(0, self.dim)
+        out = whole.narrow(0, 0, self.size)
+        return out if self.dim == 0 else out.movedim(0, self.dim).contiguous()
 
     def scatter(self, grad: Tensor, length: int) -> Tensor:
         """This process's ``length`` rows of the mean over processes of ``grad`` (a
@@ -360,39 +364,51 @@ class _Again:
         return whole.as_strided(self.size, self.stride, self.offset)
 
 
-class ShardedHalf:
-    """The loss of a half-precision sharded model with float32 only where the
-    perturbation lives: the point stays in the measure's own float32 slices (the
-    model's half-precision shards are never written), and each module that owns a
-    perturbed parameter computes in float32 on that parameter all-gathered in float32
-    from the point (its other weights, and its inputs, cast up; its outputs cast back),
-    the rest of the model on its own shards through FSDP. As FSDP does for its own
-    parameters, a gathered weight is not kept from the forward to the backward (what
-    autograd saves of it is gathered again there), and its gradient is reduce-scattered
-    to the slices, averaged over processes. Possible where every owner is a leaf module
-    (a ``Linear``, an ``Embedding``, a norm)."""
+def leaf_owners(model: nn.Module, named) -> str | None:
+    """The first name under which a parameter of ``named`` belongs to a module that has
+    submodules (``None``: every owner is a leaf, and :class:`ShardedGathered` applies)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    ids = {id(p) for _, p in named}
+    for p, names in aliases(model):
+        for full in names if id(p) in ids else ():
+            if next(modules[full.rpartition(".")[0]].children(), None) is not None:
+                return full
+    return None
 
-    upcast = True
 
-    def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half: torch.dtype):
+class ShardedGathered:
+    """The loss of a sharded model at a point that stays in the measure's own slices
+    (the model's shards are never written): each module that owns a perturbed
+    parameter computes on that parameter all-gathered from the point, the rest of the
+    model on its own shards through FSDP. As FSDP does for its own parameters, a
+    gathered weight is not kept from the forward to the backward (what autograd saves
+    of it is gathered again there), and its gradient is reduce-scattered to the slices,
+    averaged over processes. Possible where every owner is a leaf module (a ``Linear``,
+    an ``Embedding``, a norm: :func:`leaf_owners`).
+
+    A half-precision model (``half``) is measured with float32 only where the
+    perturbation lives: the point's slices are float32, and the owners compute in
+    float32 (their other weights and their inputs cast up, their outputs cast back)."""
+
+    def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half
         self.world = dist.get_world_size()
+        outside = leaf_owners(model, named)
+        if outside is not None:
+            owner = outside.rpartition(".")[0] or "the model"
+            raise UsageError(
+                f"{outside}: a half-precision sharded model is measured with float32 "
+                f"perturbations in the modules that own them, and {owner} has submodules; "
+                "perturb the parameters of leaf modules (Linear, Embedding, norms), or "
+                "shard float32 parameters"
+            )
         modules = dict(model.named_modules(remove_duplicate=False))
         ids = {id(p): n for n, p in named}
         self.owners: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
         for p, names in aliases(model):
-            if id(p) not in ids:
-                continue
-            for full in names:
+            for full in names if id(p) in ids else ():
                 owner, _, attr = full.rpartition(".")
                 module = modules[owner]
-                if next(module.children(), None) is not None:
-                    raise UsageError(
-                        f"{full}: a half-precision sharded model is measured with float32 "
-                        f"perturbations in the modules that own them, and {owner or 'the model'} "
-                        "has submodules; perturb the parameters of leaf modules (Linear, "
-                        "Embedding, norms), or shard float32 parameters"
-                    )
                 self.owners.setdefault(id(module), (module, []))[1].append((attr, ids[id(p)]))
         g = shards.global_layout
         self.cuts = {
@@ -402,12 +418,15 @@ class ShardedHalf:
         self.shapes = dict(zip(shards.local.names, shards.local.shapes))
 
     def mean(self, loss: Tensor) -> Tensor:
-        return all_reduce_sum()(loss.detach().reshape(()).float()) / self.world
+        value = loss.detach().reshape(())
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
+        return all_reduce_sum()(value) / self.world
 
     @contextlib.contextmanager
     def holding(self, tensors: Mapping[str, Tensor]):
-        """Inside, the owners compute in float32 on ``tensors`` (``{name: local slice}``,
-        read on each forward) all-gathered."""
+        """Inside, the owners compute on ``tensors`` (``{name: local slice}``, read on
+        each forward) all-gathered (in float32 for a half-precision model)."""
         half, handles, open_ = self.half, [], []
 
         def up(x):

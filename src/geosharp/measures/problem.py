@@ -36,7 +36,7 @@ from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import PointOverwritten
 from .fsdp import (
-    ShardedHalf,
+    ShardedGathered,
     ShardedModel,
     check_shardable,
     is_sharded,
@@ -327,13 +327,10 @@ def find_target(
     upcast = dtype in (torch.float16, torch.bfloat16)
     if upcast:
         dtype = torch.float32
-    if sharded:
+    if sharded:  # theta: the model's own slices (a measure that writes them copies them)
         check_shardable(*unsupported)
         shards, local = local_shards(named)
-        if upcast:  # theta: the model's own half-precision slices, never written
-            theta = {n: t.detach() for (n, _), t in zip(named, local)}
-        else:  # theta: a flat copy of this process's slices (the model holds the point)
-            theta = torch.cat([t.detach().reshape(-1) for t in local])
+        theta = {n: t.detach() for (n, _), t in zip(named, local)}
         device = local[0].device
         return Target(
             named, pairs, shards.local, dtype, upcast, theta, device, symmetries, shards, local
@@ -745,7 +742,7 @@ class Measurement:
     seed: int
     autocast: object
     floor_dtype: torch.dtype | None  # None: measured against float32 (autocast)
-    sharded: ShardedModel | ShardedHalf | None = None
+    sharded: ShardedModel | ShardedGathered | None = None
     mask: Tensor | None = None
     callback: object = None
     low_memory: bool = False
@@ -773,7 +770,7 @@ class Measurement:
 
     def objective(self, batch):
         """``(point, out) -> (loss, gradient into out)`` for Auto-PGD on ``batch``."""
-        if isinstance(self.sharded, ShardedHalf):
+        if isinstance(self.sharded, ShardedGathered):
             sharded = self.sharded
             return LossGrad(sharded, self.layout, batch, self.autocast, mean=sharded.mean)
         if self.sharded is not None:

@@ -38,7 +38,7 @@ from ..symmetry.pairs import Symmetries
 from .apgd import APGDTrace, Iterate
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
-from .fsdp import ShardedHalf, ShardedModel, is_sharded
+from .fsdp import ShardedGathered, ShardedModel, is_sharded, leaf_owners
 from .problem import (
     Measurement,
     MixedPrecision,
@@ -273,9 +273,9 @@ def sharpness(
     with (
         evaluation_mode(model),
         # no gradient for what is not perturbed
-        # (a half-precision sharded model: none; the float32 point's slices get them)
+        # (a sharded model whose point is gathered: none; the point's slices get them)
         frozen_except(
-            model, [] if isinstance(sharded, ShardedHalf) else [n for n, _ in target.named]
+            model, [] if isinstance(sharded, ShardedGathered) else [n for n, _ in target.named]
         ),
         matmuls(target.device, matmul_precision, settings),
         restoring(sharded, target.theta),
@@ -301,13 +301,19 @@ def sharpness(
     return _result(records, geo, estimator, rho, settings, target, nonfinite, strict)
 
 
-def _sharded(model, target: Target, loss_fn) -> ShardedModel | ShardedHalf | None:
-    """The loss of a sharded model at a point: written into its float32 shards, or
-    gathered in float32 beside its half-precision shards; ``None`` if not sharded."""
+def _sharded(model, target: Target, loss_fn) -> ShardedModel | ShardedGathered | None:
+    """The loss of a sharded model at a point: gathered from the measure's slices where
+    the owners of the perturbed parameters are leaf modules (in float32 beside
+    half-precision shards), else written into its shards (``target.theta`` then
+    becomes a flat copy of them); ``None`` if not sharded."""
     if target.shards is None:
         return None
     if target.upcast:
-        return ShardedHalf(model, target.named, target.shards, loss_fn, target.named[0][1].dtype)
+        half = target.named[0][1].dtype
+        return ShardedGathered(model, target.named, target.shards, loss_fn, half)
+    if leaf_owners(model, target.named) is None:
+        return ShardedGathered(model, target.named, target.shards, loss_fn)
+    target.theta = torch.cat([t.detach().reshape(-1) for t in target.local])
     return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
 
@@ -390,7 +396,7 @@ def _measurement(
         dtype=target.dtype,
     )  # fmt: skip
     theta = target.theta
-    if isinstance(sharded, ShardedHalf):
+    if isinstance(sharded, ShardedGathered):
         evaluate, theta = sharded.evaluate, Widened(theta, target.dtype)
     elif sharded is not None:
         evaluate, theta = sharded.evaluate, target.layout.unflatten(theta)
@@ -402,7 +408,8 @@ def _measurement(
                 base = float32_copies(model, target.named)
         evaluate = functional_loss(model, loss_fn, base)
     # the rest of a half-precision model computes in its own precision
-    floor_dtype = mixed.half if mixed is not None else getattr(sharded, "half", target.dtype)
+    floor_dtype = mixed.half if mixed is not None else getattr(sharded, "half", None)
+    floor_dtype = floor_dtype or target.dtype
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
         autocast_for(target.device, autocast_dtype),
