@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "FunctionalLoss",
@@ -22,9 +24,11 @@ __all__ = [
     "aliases",
     "checkpoint_errors",
     "checkpointing_kept",
+    "computing_in_float32",
     "evaluation_mode",
     "frozen_except",
     "functional_loss",
+    "loss_value",
     "require_grad",
     "scalar_loss",
     "swapped",
@@ -274,3 +278,46 @@ def require_grad(loss: Tensor) -> None:
             "grad): compute it from the model's output inside loss_fn, without "
             "torch.no_grad(), .detach() or .item()"
         )
+
+
+def loss_value(loss: Tensor) -> Tensor:
+    """``loss`` detached, in float32 if it is half precision."""
+    value = loss.detach()
+    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+@contextlib.contextmanager
+def computing_in_float32(
+    modules: Iterable[nn.Module], half: torch.dtype | None, before=None, after=None
+) -> Iterator[None]:
+    """Inside, each of ``modules`` computes in float32 beside a model in ``half``: its
+    floating inputs in ``half`` are cast up before its forward, its float32 outputs cast
+    back after (``half=None``: nothing is cast). ``before(module)`` and
+    ``after(module)``, if given, run there too. The hooks are removed on exit, also on
+    error."""
+
+    def up(x):
+        return x.float() if isinstance(x, Tensor) and x.dtype == half else x
+
+    def down(x):
+        return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
+
+    def pre(module, args, kwargs):
+        if before is not None:
+            before(module)
+        return (tree_map(up, args), tree_map(up, kwargs)) if half is not None else None
+
+    def post(module, _args, output):
+        if after is not None:
+            after(module)
+        return tree_map(down, output) if half is not None else None
+
+    handles = []
+    try:
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -59,13 +59,12 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from ..distributed import all_reduce_max, all_reduce_sum
 from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
-from ..params import aliases, require_grad, scalar_loss
+from ..params import aliases, computing_in_float32, loss_value, require_grad, scalar_loss
 from ..symmetry.pairs import Symmetries
 from .apgd import PointOverwritten
 
@@ -257,10 +256,7 @@ class ShardedModel:
                 local.copy_(view.view_as(local))
 
     def _mean(self, loss: Tensor) -> Tensor:
-        value = loss.detach().reshape(())
-        if value.dtype in (torch.float16, torch.bfloat16):
-            value = value.float()
-        return all_reduce_sum()(value) / self.world
+        return _mean(loss, self.world)
 
     def evaluate(self, params: dict[str, Tensor], batch) -> Tensor:
         """The loss at ``params`` (local views), averaged over processes."""
@@ -418,24 +414,15 @@ class ShardedGathered:
         self.shapes = dict(zip(shards.local.names, shards.local.shapes))
 
     def mean(self, loss: Tensor) -> Tensor:
-        value = loss.detach().reshape(())
-        if value.dtype in (torch.float16, torch.bfloat16):
-            value = value.float()
-        return all_reduce_sum()(value) / self.world
+        return _mean(loss, self.world)
 
     @contextlib.contextmanager
     def holding(self, tensors: Mapping[str, Tensor]):
         """Inside, the owners compute on ``tensors`` (``{name: local slice}``, read on
         each forward) all-gathered (in float32 for a half-precision model)."""
-        half, handles, open_ = self.half, [], []
+        half, open_ = self.half, []
 
-        def up(x):
-            return x.float() if isinstance(x, Tensor) and x.dtype == half else x
-
-        def down(x):
-            return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
-
-        def before(module, args, kwargs):
+        def before(module) -> None:
             saved, gathered = {}, {}
             for attr, name in self.owners[id(module)][1]:
                 leaf = tensors[name].view(self.shapes[name])
@@ -461,20 +448,15 @@ class ShardedGathered:
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             hooks.__enter__()
             open_.append((module, saved, hooks))
-            return tree_map(up, args), tree_map(up, kwargs)
 
-        def after(module, _args, output):
+        def after(module) -> None:
             _close(open_.pop())
-            return tree_map(down, output)
 
+        owners = [module for module, _ in self.owners.values()]
         try:
-            for module, _ in self.owners.values():
-                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-                handles.append(module.register_forward_hook(after))
-            yield
+            with computing_in_float32(owners, half, before, after):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
             while open_:  # a forward that raised
                 _close(open_.pop())
 
@@ -491,6 +473,11 @@ class ShardedGathered:
     def restore(self, theta) -> None:
         """Nothing to restore: the model's shards are never written."""
         reshard(self.model)
+
+
+def _mean(loss: Tensor, world: int) -> Tensor:
+    """A process's loss averaged over the ``world`` processes (float32 if half)."""
+    return all_reduce_sum()(loss_value(loss).reshape(())) / world
 
 
 def _close(entry) -> None:

@@ -24,13 +24,20 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
 from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..layout import ParameterLayout
-from ..params import LossFunction, aliases, checkpoint_errors, require_grad, scalar_loss
+from ..params import (
+    LossFunction,
+    aliases,
+    checkpoint_errors,
+    computing_in_float32,
+    loss_value,
+    require_grad,
+    scalar_loss,
+)
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
@@ -646,36 +653,9 @@ class MixedPrecision:
                     base[prefix + local] = t.detach().float()
         return cls(list({id(m): m for m in (modules[o] for o in owners)}.values()), base, half)
 
-    @contextlib.contextmanager
     def active(self):
-        half = self.half
-
-        def up(x):
-            return x.float() if isinstance(x, Tensor) and x.dtype == half else x
-
-        def down(x):
-            return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
-
-        def before(_module, args, kwargs):
-            return tree_map(up, args), tree_map(up, kwargs)
-
-        def after(_module, _args, output):
-            return tree_map(down, output)
-
-        handles = []
-        try:
-            for module in self.owners:
-                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-                handles.append(module.register_forward_hook(after))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-def loss_value(loss: Tensor) -> Tensor:
-    value = loss.detach()
-    return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        """Inside, the owners compute in float32 (:func:`~geosharp.params.computing_in_float32`)."""
+        return computing_in_float32(self.owners, self.half)
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype | None):
