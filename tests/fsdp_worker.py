@@ -210,6 +210,24 @@ def half_precision():
     return out
 
 
+def checkpointed():
+    """The bfloat16 and float32 LLaMA with Hugging Face's activation checkpointing, kept
+    on during the measure, sharded and not: ``[one process, sharded, kept]``."""
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        model, batches = llama(getattr(torch, dtype))
+        symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+        plain = copy.deepcopy(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        fsdp.shard(model, symmetries)
+        kw = dict(rho=1.0, estimator=geosharp.WorstCase(n_iters=2))
+        for measure in ("geodesic-inv-attn", "adaptive"):
+            one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
+            many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
+            out[f"{dtype}/{measure}"] = [one.value, many.value, many.settings["checkpointing"]]
+    return out
+
+
 def sam(name):
     """Three GeodesicSAM steps (SGD) on the unsharded and on the sharded model, the same
     batches on every process: ``[largest relative difference of the weights after,
@@ -251,6 +269,9 @@ def main():
     if "errors" in which:
         which.remove("errors")
         results["errors"] = errors()
+    if "checkpointed" in which:
+        which.remove("checkpointed")
+        results["checkpointed"] = checkpointed()
     for name in [w for w in which if w.startswith("sam:")]:
         which.remove(name)
         results[name] = sam(name.removeprefix("sam:"))

@@ -25,7 +25,7 @@ from launch import run_python
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 TOLERANCE = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 1e-4}
 RUNS = {
-    2: ["bert-float64", "llama-float32", "llama-bfloat16", "sam:bert-float64"],
+    2: ["bert-float64", "llama-float32", "llama-bfloat16", "checkpointed", "sam:bert-float64"],
     4: ["errors", "llama-float64", "llama-bfloat16", "sam:llama-float64"],
 }
 
@@ -46,7 +46,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
     assert data["world"] == nproc
     results = data["results"]
     for name in RUNS[nproc]:
-        if name == "errors" or name.startswith("sam:"):
+        if name in ("errors", "checkpointed") or name.startswith("sam:"):
             continue
         assert results[f"{name}/model unchanged"] is True
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
@@ -100,6 +100,17 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert "has submodules" in messages["bfloat16 owner with submodules"]
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
+
+
+def test_activation_checkpointing_is_kept_on_a_sharded_model(runs):
+    """Hugging Face's activation checkpointing (non-reentrant) on the sharded LLaMA,
+    bfloat16 and float32: kept during the measure, the one-process value."""
+    cases = runs[2]["results"]["checkpointed"]
+    assert set(cases) == {f"{d}/{m}" for d in ("bfloat16", "float32")
+                          for m in ("geodesic-inv-attn", "adaptive")}  # fmt: skip
+    for key, (one, many, kept) in cases.items():
+        assert kept is True, key
+        assert abs(many - one) <= 1e-4 * abs(one), key
 
 
 def test_the_docs_show_the_committed_benchmark_and_projection():
