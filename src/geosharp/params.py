@@ -29,6 +29,7 @@ __all__ = [
     "frozen_except",
     "functional_loss",
     "loss_value",
+    "owning_modules",
     "require_grad",
     "scalar_loss",
     "swapped",
@@ -168,8 +169,6 @@ def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
     and a warning says why)."""
     import warnings
 
-    import torch
-
     holders = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     if not holders:
         return False
@@ -278,6 +277,29 @@ def require_grad(loss: Tensor) -> None:
             "grad): compute it from the model's output inside loss_fn, without "
             "torch.no_grad(), .detach() or .item()"
         )
+
+
+def owning_modules(
+    model: nn.Module, named: Iterable[tuple[str, Tensor]]
+) -> dict[str, tuple[nn.Module, list[tuple[str, str]]]]:
+    """Every module that holds a parameter of ``named``, under each of its names (a
+    module registered twice, a tied embedding and output head: all of them):
+    ``{module name: (module, [(attribute, name in named)])}``.
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> found = owning_modules(torch.nn.Sequential(lin, lin), [("0.weight", lin.weight)])
+    >>> {name: attrs for name, (_, attrs) in found.items()}
+    {'0': [('weight', '0.weight')], '1': [('weight', '0.weight')]}
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    ids = {id(p): n for n, p in named}
+    out: dict[str, tuple[nn.Module, list[tuple[str, str]]]] = {}
+    for p, names in aliases(model):
+        for full in names if id(p) in ids else ():
+            owner, _, attr = full.rpartition(".")
+            out.setdefault(owner, (modules[owner], []))[1].append((attr, ids[id(p)]))
+    return out
 
 
 def loss_value(loss: Tensor) -> Tensor:

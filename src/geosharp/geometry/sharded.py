@@ -112,6 +112,7 @@ class ShardedStack(StackedPairs):
         device: torch.device,
         heads: tuple[Tensor, int] | None = None,
         reduce: Reduce | None = None,
+        owned: Tensor | None = None,
     ):
         self.specs, self.layout, self.device, self.group = specs, None, device, group
         self.state = None
@@ -121,7 +122,8 @@ class ShardedStack(StackedPairs):
         if self.heads is not None:
             self.heads = self.heads.to(self.device)
         self._total = reduce  # the sampler's: its tensors run over every head
-        self.owned: Tensor | None = None  # the local heads whose values this process sums
+        # the local heads whose per-head values this process adds up (None: all, alone)
+        self.owned = None if owned is None else owned.to(self.device)
         self.reduce = reduce if self.heads is None else _on_heads(reduce, self.heads, self.count)
         self.shapes = (g_local.shape, h_local.shape)
         segments = tuple(_held_segments(i) for i in (g_local, h_local))
@@ -288,8 +290,8 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
             torch.device(device),
             (heads, held.numel()) if heads.numel() < held.numel() else None,
             shards.reduce,
+            owned,
         )
-        stack.owned = owned.to(stack.device)
         out.append(stack)
     return out
 

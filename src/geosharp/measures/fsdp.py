@@ -64,7 +64,13 @@ from ..distributed import all_reduce_max, all_reduce_sum
 from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
-from ..params import aliases, computing_in_float32, loss_value, require_grad, scalar_loss
+from ..params import (
+    computing_in_float32,
+    loss_value,
+    owning_modules,
+    require_grad,
+    scalar_loss,
+)
 from ..symmetry.pairs import Symmetries
 from .apgd import PointOverwritten
 
@@ -323,8 +329,11 @@ class _Slice:
         """This process's ``length`` rows of the mean over processes of ``grad`` (a
         collective: FSDP's reduce-scatter)."""
         rows = grad.movedim(self.dim, 0)
-        padded = rows.new_zeros((self.world * self.chunk, *rows.shape[1:]))
-        padded.narrow(0, 0, self.size).copy_(rows)
+        if self.size == self.world * self.chunk:  # an even cut: nothing to pad
+            padded = rows.contiguous()
+        else:
+            padded = rows.new_zeros((self.world * self.chunk, *rows.shape[1:]))
+            padded.narrow(0, 0, self.size).copy_(rows)
         mine = rows.new_empty((self.chunk, *rows.shape[1:]))
         dist.reduce_scatter_single(mine, padded)
         return mine.narrow(0, 0, length).div_(self.world).movedim(0, self.dim)
@@ -363,12 +372,9 @@ class _Again:
 def leaf_owners(model: nn.Module, named) -> str | None:
     """The first name under which a parameter of ``named`` belongs to a module that has
     submodules (``None``: every owner is a leaf, and :class:`ShardedGathered` applies)."""
-    modules = dict(model.named_modules(remove_duplicate=False))
-    ids = {id(p) for _, p in named}
-    for p, names in aliases(model):
-        for full in names if id(p) in ids else ():
-            if next(modules[full.rpartition(".")[0]].children(), None) is not None:
-                return full
+    for owner, (module, attrs) in owning_modules(model, named).items():
+        if next(module.children(), None) is not None:
+            return f"{owner}.{attrs[0][0]}" if owner else attrs[0][0]
     return None
 
 
@@ -398,14 +404,12 @@ class ShardedGathered:
                 "perturb the parameters of leaf modules (Linear, Embedding, norms), or "
                 "shard float32 parameters"
             )
-        modules = dict(model.named_modules(remove_duplicate=False))
-        ids = {id(p): n for n, p in named}
+        # each module once, each of its perturbed attributes once (a module registered
+        # under two names is swapped in and back once)
         self.owners: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
-        for p, names in aliases(model):
-            for full in names if id(p) in ids else ():
-                owner, _, attr = full.rpartition(".")
-                module = modules[owner]
-                self.owners.setdefault(id(module), (module, []))[1].append((attr, ids[id(p)]))
+        for module, attrs in owning_modules(model, named).values():
+            kept = self.owners.setdefault(id(module), (module, []))[1]
+            kept.extend(a for a in attrs if a not in kept)
         g = shards.global_layout
         self.cuts = {
             n: _Slice(shards.dims[n][0], g.shapes[g.names.index(n)][shards.dims[n][0]], self.world)

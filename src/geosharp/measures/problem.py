@@ -31,10 +31,10 @@ from ..geometry.space import Geometry, PerturbationSpace
 from ..layout import ParameterLayout
 from ..params import (
     LossFunction,
-    aliases,
     checkpoint_errors,
     computing_in_float32,
     loss_value,
+    owning_modules,
     require_grad,
     scalar_loss,
 )
@@ -633,25 +633,20 @@ class MixedPrecision:
 
     @classmethod
     def plan(cls, model: nn.Module, perturbed: list[tuple[str, Tensor]], half):
-        modules = dict(model.named_modules(remove_duplicate=False))
-        ids = {id(t) for _, t in perturbed}
-        # every module that holds a perturbed parameter, under any of its names (a tied
-        # embedding and output head)
-        names = {n for p, all_names in aliases(model) if id(p) in ids for n in all_names}
-        owners = list(dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n in names))
-        if any(next(modules[o].children(), None) is not None for o in owners):
+        owners = owning_modules(model, perturbed)  # under each name (a tied head too)
+        if any(next(m.children(), None) is not None for m, _ in owners.values()):
             return None  # a module with submodules: the whole model in float32 instead
         base = {}
-        for owner in owners:
+        for owner, (module, attrs) in owners.items():
             prefix = f"{owner}." if owner else ""
-            module = modules[owner]
+            mine = {attr for attr, _ in attrs}
             for local, t in [
                 *module.named_parameters(recurse=False),
                 *module.named_buffers(recurse=False),
             ]:
-                if prefix + local not in names and t.dtype == half:
+                if local not in mine and t.dtype == half:
                     base[prefix + local] = t.detach().float()
-        return cls(list({id(m): m for m in (modules[o] for o in owners)}.values()), base, half)
+        return cls(list({id(m): m for m, _ in owners.values()}.values()), base, half)
 
     def active(self):
         """Inside, the owners compute in float32 (:func:`~geosharp.params.computing_in_float32`)."""

@@ -336,8 +336,10 @@ class Symmetries:
         seen: dict[str, Tensor] = {}  # one byte per entry of the parameters in pairs
         for pair in self.pairs:
             for block in pair.g_blocks + pair.h_blocks:
-                size = torch.Size(self.parameters[block.param]).numel()
-                mask = seen.setdefault(block.param, torch.zeros(size, dtype=torch.bool))
+                if block.param not in seen:
+                    size = torch.Size(self.parameters[block.param]).numel()
+                    seen[block.param] = torch.zeros(size, dtype=torch.bool)
+                mask = seen[block.param]
                 index = block.index.reshape(-1)
                 if bool(mask[index].any()) or index.unique().numel() < index.numel():
                     raise ValueError(
