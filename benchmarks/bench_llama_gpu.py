@@ -1,0 +1,215 @@
+"""LLaMA-shaped models in bfloat16 measured attention-only on one GPU: peak memory in
+float32 vectors of the perturbed parameters beyond a training step, and time per
+evaluation against one forward+backward.
+
+    python benchmarks/bench_llama_gpu.py --shape 1.1b --shape 7b --json out.json
+
+Shapes: ``1.1b`` is TinyLlama-1.1B's (the CPU benchmark's, ``bench_llama_bf16.py``),
+``7b`` LLaMA-2-7B's (32 layers, width 4096, 32 heads, MLP 11008, vocabulary 32,000),
+the largest that fits one 80 GB GPU by the projection in docs/performance.md. Random
+weights in bfloat16, built on the meta device and then given the GPU's memory; one
+batch of ``--batch`` sequences of ``--tokens`` tokens. Rows, in one process per shape:
+``step`` (forward and backward, gradients of the attention parameters only, the
+training step the measure is compared with), ``adaptive-attn`` and
+``geodesic-inv-attn`` (3 Auto-PGD steps each), and ``geodesic-inv-attn`` again with
+Hugging Face's activation checkpointing on (``--checkpointed``). Memory: the peak of
+``torch.cuda.max_memory_allocated`` over the loaded model (the allocator's reserved
+peak beside it). Time: the median gap between two evaluations of the measure (each
+timestamp after ``torch.cuda.synchronize``). Results are written after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+import warnings
+
+SHAPES = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),  # a dry run on the CPU
+}  # fmt: skip
+
+
+def build(shape: str, device: str):
+    """The model, random bfloat16 weights (normal, std 0.02) on ``device``, and the
+    names of its attention parameters."""
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SHAPES[shape])
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        # to_empty leaves buffers unset: the rotary frequencies made again
+        rotary = model.model.rotary_emb
+        made = type(rotary)(config)
+        for name, buffer in made.named_buffers():
+            rotary.get_buffer(name).copy_(buffer)
+    model.eval()
+    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
+    return model, attention
+
+
+def rows(
+    shape: str, batch: int, tokens: int, checkpointed: bool, out: list, path: str | None,
+    device: str = "cuda",
+):  # fmt: skip
+    import torch
+
+    import geosharp
+
+    gpu = device == "cuda"
+    memory = torch.cuda if gpu else None
+    model, attention = build(shape, device)
+    sizes = dict(model.named_parameters())
+    perturbed = sum(sizes[n].numel() for n in attention)
+    ids = torch.randint(0, 32000, (batch, tokens), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+
+    def loss(m, b):
+        return m(input_ids=b, labels=b).loss.float()
+
+    def stamp() -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    common = {
+        "shape": shape,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "perturbed": perturbed,
+        "batch": batch,
+        "tokens": tokens,
+    }
+    modes = ["step", "adaptive-attn", "geodesic-inv-attn"]
+    if checkpointed:
+        modes.append("geodesic-inv-attn+checkpointing")
+    step_peak = None
+    step_seconds = None
+    for mode in modes:
+        loaded = 0
+        if gpu:
+            memory.empty_cache()
+            memory.synchronize()
+            loaded = memory.memory_allocated()
+            memory.reset_peak_memory_stats()
+        row = {**common, "mode": mode, "loaded_gib": loaded / 2**30}
+        if mode == "step":
+            for n, p in model.named_parameters():
+                p.requires_grad_(n in attention)
+            times = []
+            for _ in range(4):
+                start = stamp()
+                loss(model, ids).backward()
+                times.append(stamp() - start)
+                model.zero_grad(set_to_none=True)
+            row["seconds"] = statistics.median(times[1:])  # the first warms up
+            for p in model.parameters():
+                p.requires_grad_(True)
+        else:
+            measure = mode.split("+")[0]
+            if mode.endswith("+checkpointing"):
+                model.gradient_checkpointing_enable()
+            stamps = []
+
+            def callback(event, i, iterate, stamps=stamps):
+                if event == "evaluated":
+                    stamps.append(stamp())
+
+            start = stamp()
+            result = geosharp.sharpness(
+                model, [ids], loss, measure, None, geosharp.WorstCase(n_iters=3),
+                callback=callback,
+            )  # fmt: skip
+            gaps = [b - a for a, b in itertools.pairwise(stamps)]
+            row.update(
+                seconds=statistics.median(gaps),
+                evaluations=len(stamps),
+                seconds_total=stamp() - start,
+                seconds_before_first_evaluation=stamps[0] - start,
+                value=result.value,
+                precision=result.settings["precision"],
+                pairs=result.settings["n_pairs"],
+                checkpointing=result.settings.get("checkpointing"),
+            )
+            if mode.endswith("+checkpointing"):
+                model.gradient_checkpointing_disable()
+        peak = memory.max_memory_allocated() - loaded if gpu else 0
+        row.update(
+            peak_growth_gib=peak / 2**30,
+            peak_reserved_gib=memory.max_memory_reserved() / 2**30 if gpu else 0,
+        )
+        if mode == "step":
+            step_peak, step_seconds = peak, row["seconds"]
+        vector = 4 * perturbed
+        row["buffers_beyond_step"] = (peak - step_peak) / vector
+        row["step_over_forward_backward"] = row["seconds"] / step_seconds
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        if path:
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+    del model
+    if gpu:
+        memory.empty_cache()
+
+
+def report(results: list[dict]) -> str:
+    lines = [
+        "| shape | run | parameters | perturbed | batch x tokens | loaded (GiB) | peak growth "
+        "(GiB) | float32 vectors of the perturbed beyond the step | time per evaluation "
+        "| x forward+backward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['shape']} | {r['mode']} | {r['parameters'] / 1e9:.2f}B | "
+            f"{r['perturbed'] / 1e6:.0f}M | {r['batch']} x {r['tokens']} | "
+            f"{r['loaded_gib']:.1f} | {r['peak_growth_gib']:.1f} | "
+            f"{r['buffers_beyond_step']:.2f} | {r['seconds'] * 1e3:.0f} ms | "
+            f"{r['step_over_forward_backward']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--checkpointed", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run
+    parser.add_argument("--report", default=None, help="print the table of a results file")
+    args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print(report(json.load(f)))
+        return
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_llama_gpu.py: no GPU (torch.cuda.is_available() is False)")
+    warnings.simplefilter("ignore")
+    out: list[dict] = []
+    for shape in args.shape or ["1.1b"]:
+        rows(shape, args.batch, args.tokens, args.checkpointed, out, args.json, args.device)
+    print(report(out))
+
+
+if __name__ == "__main__":
+    main()
