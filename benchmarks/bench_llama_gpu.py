@@ -10,7 +10,9 @@ the largest that fits one 80 GB GPU by the projection in docs/performance.md. Ra
 weights in bfloat16, built on the meta device and then given the GPU's memory; one
 batch of ``--batch`` sequences of ``--tokens`` tokens. Rows, in one process per shape:
 ``step`` (forward and backward, gradients of the attention parameters only, the
-training step the measure is compared with), ``adaptive-attn`` and
+training step the measure is compared with), ``step-float32-attention`` (the same with
+the attention layers in float32, as a measure computes its perturbed layers: time
+only), ``adaptive-attn`` and
 ``geodesic-inv-attn`` (3 Auto-PGD steps each), and ``geodesic-inv-attn`` again with
 Hugging Face's activation checkpointing on (``--checkpointed``). Memory: the peak of
 ``torch.cuda.max_memory_allocated`` over the loaded model (the allocator's reserved
@@ -95,7 +97,7 @@ def rows(
         "batch": batch,
         "tokens": tokens,
     }
-    modes = ["step", "adaptive-attn", "geodesic-inv-attn"]
+    modes = ["step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"]
     if checkpointed:
         modes.append("geodesic-inv-attn+checkpointing")
     step_peak = None
@@ -108,18 +110,8 @@ def rows(
             loaded = memory.memory_allocated()
             memory.reset_peak_memory_stats()
         row = {**common, "mode": mode, "loaded_gib": loaded / 2**30}
-        if mode == "step":
-            for n, p in model.named_parameters():
-                p.requires_grad_(n in attention)
-            times = []
-            for _ in range(4):
-                start = stamp()
-                loss(model, ids).backward()
-                times.append(stamp() - start)
-                model.zero_grad(set_to_none=True)
-            row["seconds"] = statistics.median(times[1:])  # the first warms up
-            for p in model.parameters():
-                p.requires_grad_(True)
+        if mode.startswith("step"):
+            row["seconds"] = _step_seconds(model, attention, ids, loss, stamp, mode != "step")
         else:
             measure = mode.split("+")[0]
             if mode.endswith("+checkpointing"):
@@ -166,6 +158,36 @@ def rows(
     del model
     if gpu:
         memory.empty_cache()
+
+
+def _step_seconds(model, attention, ids, loss, stamp, float32: bool) -> float:
+    """The median time of a training forward+backward (gradients of the attention
+    parameters only); ``float32``: with the attention layers' weights in float32, each
+    computing in float32 as a measure's perturbed layers do (what the measure's
+    evaluations cost at best)."""
+    import torch
+
+    from geosharp.params import computing_in_float32, owning_modules
+
+    names = set(attention)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    named = [(n, p) for n, p in model.named_parameters() if n in names]
+    owners = [m for m, _ in owning_modules(model, named).values()] if float32 else []
+    for module in owners:
+        module.float()
+    times = []
+    with computing_in_float32(owners, torch.bfloat16 if float32 else None):
+        for _ in range(4):
+            start = stamp()
+            loss(model, ids).backward()
+            times.append(stamp() - start)
+            model.zero_grad(set_to_none=True)
+    for module in owners:
+        module.to(torch.bfloat16)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return statistics.median(times[1:])  # the first warms up
 
 
 def report(results: list[dict]) -> str:

@@ -1,6 +1,8 @@
 """The fast paths behind Auto-PGD's inner loop (no timing here: see benchmarks/).
 
-* strided block access equals indexing, on every layout of the zoo and on random ones;
+* strided block access equals indexing, on every layout of the zoo and on random ones,
+  and the segments and claimed entries found without listing positions equal those
+  found from them;
 * the fused pair kernels equal the reference maths of ``geometry.pairs``;
 * the in-place space methods equal their allocating counterparts;
 * one forward+backward per step (``n_iters + 2`` calls of ``loss_fn`` per batch), one
@@ -21,9 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import geosharp
 from geosharp.geometry import Geometry, PerturbationSpace, stack_pairs
 from geosharp.geometry.pairs import InvMetric, MixMetric
-from geosharp.layout import ParameterLayout, gather_strided, strided_segments
+from geosharp.geometry.stacked import Pairs, PairSpace
+from geosharp.layout import ParameterLayout, gather_strided, row_segments, strided_segments
 from geosharp.measures import apgd, auto_pgd
 from geosharp.params import functional_loss
+from geosharp.symmetry.groups import read_block
+from geosharp.symmetry.pairs import Block
 from zoo import bert_case, encoder_case
 
 F64 = torch.float64
@@ -49,8 +54,14 @@ def test_strided_access_equals_indexing(case):
     blocks = stack_pairs(pairs, layout, theta.device)
     assert blocks
     x = torch.randn_like(theta)
+    claimed = torch.zeros(theta.numel(), dtype=torch.bool)
     for block in blocks:
         assert all(s is not None for s in block._segments)  # linear layers: strided
+        # found from the blocks' row starts: the segments of the listed positions
+        whole = (strided_segments(block.g_index), strided_segments(block.h_index))
+        assert block._segments == whole
+        for pos in block.positions():
+            claimed[pos] = True
         G, H = block.gather(x)
         assert torch.equal(G, x[block.g_index]) and torch.equal(H, x[block.h_index])
         new = (torch.randn_like(G), torch.randn_like(H))
@@ -60,6 +71,13 @@ def test_strided_access_equals_indexing(case):
         ref = x.clone().index_add_(0, block.g_index.reshape(-1), new[0].reshape(-1), alpha=0.5)
         ref = ref.index_add_(0, block.h_index.reshape(-1), new[1].reshape(-1), alpha=0.5)
         assert torch.allclose(block.add_(x.clone(), new, alpha=0.5), ref, rtol=0, atol=1e-15)
+    params = {n: v.reshape(-1) for n, v in layout.unflatten(theta).items()}
+    # every head of a linear layer is a strided view of its parameter
+    assert all(b.view(params[b.param]) is not None for p in pairs for b in p.g_blocks + p.h_blocks)
+    masks = PairSpace(Pairs(InvMetric()), pairs, layout, params, theta.device).claimed(params)
+    none = torch.zeros(0, dtype=torch.bool)
+    got = [masks.get(n, none.new_zeros(params[n].numel())) for n in layout.names]
+    assert torch.equal(torch.cat(got), claimed) and set(masks) < set(layout.names)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -77,6 +95,23 @@ def test_strided_segments_random_layouts(seed):
     if seed % 5 == 0:
         index = torch.randint(0, 20000, (B, n, h), generator=gen)
     segments = strided_segments(index)
+    block = Block("w", index)
+    starts = block.starts()
+    if starts is not None:  # the same segments without the column axis
+        assert row_segments(*starts) == segments
+    if seed % 5 and not seed % 2:  # separable: a strided view of distinct positions
+        parts = (index[:, 0, 0], index[0, :, 0] - index[0, 0, 0], index[0, 0, :] - index[0, 0, 0])
+        separable = Block.separable("w", *parts)
+        view = separable.view(flat)
+        if index.unique().numel() < index.numel():
+            assert view is None  # repeated positions are never viewed
+        if view is not None:
+            assert torch.equal(view, flat[index])
+            written = flat.clone()
+            written[index] = -flat[index]
+            view.neg_()
+            assert torch.equal(flat, written)
+        assert torch.equal(read_block({"w": flat}, separable), flat[index])
     if segments is None:  # random indices, or rows repeating positions (sr = 0)
         assert seed % 5 == 0 or (sr == 0 and n > 1)
         return

@@ -175,3 +175,28 @@ def test_reparameterize_in_place_and_returns_transforms():
     s = torch.linalg.svdvals(A)
     assert torch.allclose(s.max(-1).values / s.min(-1).values, torch.full((2,), 100.0, dtype=F64))
     assert torch.allclose(before, after, atol=1e-10)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-7])
+def test_cancellation_equals_the_product_norms(scale):
+    """``max_head |G|_F |H|_F / |G H^T|_F`` from the ``h x h`` Gram matrices equals the
+    one from the product, also when the product nearly cancels (a ratio of about
+    ``1 / scale``; past 10^4 the product itself is used)."""
+    from geosharp.symmetry.verify import _cancellation
+
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(3, 7, 4, generator=gen, dtype=torch.float64)
+    H = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64)
+    G[..., 3] *= scale  # G H^T = sum_c G_c H_c^T: only the small column survives
+    H[..., :3] *= scale
+    tensors = {"g": G.reshape(-1), "h": H.reshape(-1)}
+    pair = PairSpec(
+        "m",
+        "query-key",
+        (Block("g", torch.arange(84).view(3, 7, 4)),),
+        (Block("h", torch.arange(60).view(3, 5, 4)),),
+    )
+    product = torch.linalg.matrix_norm(G @ H.mT)
+    expected = float((torch.linalg.matrix_norm(G) * torch.linalg.matrix_norm(H) / product).max())
+    assert _cancellation(tensors, pair, "") == pytest.approx(max(1.0, expected), rel=1e-8)
+    assert scale == 1.0 or expected > 0.1 / scale

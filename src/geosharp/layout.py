@@ -21,6 +21,7 @@ __all__ = [
     "ParameterLayout",
     "Segment",
     "gather_strided",
+    "row_segments",
     "strided_segments",
     "write_strided",
 ]
@@ -80,13 +81,30 @@ def strided_segments(index: Tensor, max_segments: int | None = None) -> list[Seg
     """
     if index.dim() != 3 or index.numel() == 0:
         return None
-    B, n, h = index.shape
-    limit = 4 * B + 16 if max_segments is None else max_segments
+    h = index.shape[2]
     idx = index.detach().to("cpu", torch.int64)
     start = idx[:, :, 0]
     col = idx[:, :, 1] - idx[:, :, 0] if h > 1 else torch.ones_like(start)
     if h > 1 and not torch.equal(idx, start[..., None] + torch.arange(h) * col[..., None]):
         return None
+    return row_segments(start, col, max_segments)
+
+
+def row_segments(
+    start: Tensor, col: Tensor, max_segments: int | None = None
+) -> list[Segment] | None:
+    """:func:`strided_segments` of the block ``start[b, r] + c col[b, r]`` (``(B, n)``
+    int64 each), without listing its positions: what a block whose columns step evenly
+    is known by.
+
+    >>> row_segments(torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 4))
+    [(0, 2, 0, 2, 0, 2, 1, 4)]
+    """
+    if start.dim() != 2 or start.numel() == 0:
+        return None
+    B, n = start.shape
+    limit = 4 * B + 16 if max_segments is None else max_segments
+    start, col = start.to("cpu", torch.int64), col.to("cpu", torch.int64)
     # Runs of rows with one column stride and one row stride, per head. Rows where the
     # column stride or the row step changes are found at once; the runs are then cut
     # greedily at those rows only.

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..layout import ParameterLayout, gather_strided, strided_segments, write_strided
+from ..layout import (
+    ParameterLayout,
+    _view,
+    gather_strided,
+    row_segments,
+    strided_segments,
+    write_strided,
+)
+from ..symmetry.groups import read_block
 from ..symmetry.pairs import PairSpec
 from .elementwise import dot
 from .pairs import PairMetric, PairState
@@ -65,9 +73,18 @@ class StackedPairs:
     group: str = "GL"
 
     def __post_init__(self) -> None:
-        g, h = self.g_index, self.h_index
-        self.shapes = (g.shape, h.shape)
-        self._segments = (strided_segments(g), strided_segments(h))
+        heads = sum(s.shape[0] for s in self.specs)
+        _, n, m, h = self.specs[0].shape
+        self.shapes = (torch.Size((heads, n, h)), torch.Size((heads, m, h)))
+        self._segments = tuple(self._strided_segments(side) for side in ("g_blocks", "h_blocks"))
+
+    def _strided_segments(self, side: str) -> list | None:
+        """The strided views of one side, found from its blocks' row starts where their
+        columns step evenly (no position listed), else from its positions."""
+        rows = _row_starts(self.specs, side, self.layout)
+        if rows is not None:
+            return row_segments(*rows)
+        return strided_segments(_flat_index(self.specs, side, self.layout, torch.device("cpu")))
 
     @property
     def g_index(self) -> Tensor:
@@ -91,7 +108,7 @@ class StackedPairs:
     def gather_params(self, params: dict[str, Tensor]) -> Blocks:
         """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
         return tuple(  # type: ignore[return-value]
-            _stacked(self.specs, side, lambda b: params[b.param][b.index.to(self.device)])
+            _stacked(self.specs, side, lambda b: read_block(params, b))
             for side in ("g_blocks", "h_blocks")
         )
 
@@ -124,6 +141,17 @@ class StackedPairs:
         """The flat positions of the ``G`` and ``H`` entries (1-D int64, new)."""
         return self.g_index.reshape(-1), self.h_index.reshape(-1)
 
+    def mark_(self, mask: Tensor) -> Tensor:
+        """Set ``mask`` (flat, boolean) at this stack's entries, in place."""
+        if all(s is not None for s in self._segments):
+            for segs, shape in zip(self._segments, self.shapes):
+                for seg in segs:
+                    _view(mask, seg, shape[-1]).fill_(True)
+            return mask
+        for pos in self.positions():
+            mask[pos.to(mask.device)] = True
+        return mask
+
     def sample(self, generator: torch.Generator | None) -> Blocks:
         """A draw of :meth:`PairState.sample` for this stack."""
         return self.state.sample(generator)
@@ -148,6 +176,31 @@ def _flat_index(
     specs: Sequence[PairSpec], side: str, layout: ParameterLayout, device: torch.device
 ) -> Tensor:
     return _stacked(specs, side, lambda b: layout.offset(b.param) + b.index).to(device)
+
+
+def _row_starts(
+    specs: Sequence[PairSpec], side: str, layout: ParameterLayout
+) -> tuple[Tensor, Tensor] | None:
+    """The flat ``(start, step)`` of one side (:meth:`~geosharp.symmetry.pairs.Block.starts`
+    of every block, stacked like the blocks), or ``None``."""
+    starts, steps = [], []
+    for spec in specs:
+        for block in getattr(spec, side):
+            rows = block.starts()
+            if rows is None:
+                return None
+            starts.append(rows[0] + layout.offset(block.param))
+            steps.append(rows[1])
+    per_spec = [len(getattr(spec, side)) for spec in specs]
+
+    def stacked(parts: list[Tensor]) -> Tensor:
+        out, i = [], 0
+        for count in per_spec:
+            out.append(torch.cat(parts[i : i + count], dim=1))
+            i += count
+        return torch.cat(out)
+
+    return stacked(starts), stacked(steps)
 
 
 MAX_STACK = 1 << 23  # entries of a stack's blocks: bounds the temporaries of its maths
@@ -237,20 +290,15 @@ class PairSpace:
         masks: dict[str, Tensor] = {}
         if not self.ball:
             return masks
-        offsets = torch.tensor(self.layout.offsets)
+        device = next(iter(params.values())).device
+        flat = torch.zeros(self.layout.numel, dtype=torch.bool, device=device)
         for block in self.blocks:
-            for pos in block.positions():
-                pos = pos.cpu()
-                which = torch.bucketize(pos, offsets, right=True) - 1
-                for k in which.unique().tolist():
-                    name = self.layout.names[k]
-                    theta = params[name]
-                    if name not in masks:
-                        masks[name] = torch.zeros(
-                            theta.numel(), dtype=torch.bool, device=theta.device
-                        )
-                    local = pos[which == k] - self.layout.offsets[k]
-                    masks[name][local.to(theta.device)] = True
+            block.mark_(flat)
+        for name, mask in self.layout.unflatten(flat).items():
+            mask = mask.reshape(-1)
+            if bool(mask.any()):
+                # a partial mask is kept: its own copy, so that the flat one is freed
+                masks[name] = mask if bool(mask.all()) else mask.clone()
         return masks
 
     def read(self, flat: Tensor) -> list[Blocks]:

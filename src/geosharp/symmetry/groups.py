@@ -82,14 +82,23 @@ def random_group_elements(
 
 
 def read_block(params: Mapping[str, Tensor], block: Block) -> Tensor:
-    """The entries of ``block`` in ``params[block.param]``: ``(heads, rows, h)``."""
-    return params[block.param].reshape(-1)[block.index]
+    """The entries of ``block`` in ``params[block.param]``: ``(heads, rows, h)``, new."""
+    param = params[block.param]
+    view = block.view(param)
+    if view is not None:
+        return view.clone()
+    return param.reshape(-1)[block.index.to(param.device)]
 
 
 def write_block(params: Mapping[str, Tensor], block: Block, values: Tensor) -> None:
     """Write ``values`` (``(heads, rows, h)``) into ``block``'s entries, in place."""
-    flat = params[block.param].view(-1)
-    flat[block.index.reshape(-1)] = values.reshape(-1).to(flat.dtype)
+    param = params[block.param]
+    view = block.view(param)
+    if view is not None:
+        view.copy_(values)
+        return
+    flat = param.view(-1)
+    flat[block.index.reshape(-1).to(flat.device)] = values.reshape(-1).to(flat.dtype)
 
 
 def random_matrices(

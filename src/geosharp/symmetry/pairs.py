@@ -124,6 +124,60 @@ class Block:
     def numel(self) -> int:
         return self.shape[0] * self.shape[1] * self.shape[2]
 
+    def starts(self) -> tuple[Tensor, Tensor] | None:
+        """``(start, step)``, ``(heads, rows)`` int64 each, with ``index[k, r, c] =
+        start[k, r] + c step[k, r]`` (``step`` 1 for one column), or ``None`` when a
+        row's columns do not step evenly: the block without its column axis.
+
+        >>> heads, rows, cols = torch.tensor([0, 8]), torch.arange(2), torch.tensor([0, 4])
+        >>> block = Block.separable("w", heads, rows, cols)
+        >>> block.starts()[0].tolist(), block.starts()[1].tolist()
+        ([[0, 1], [8, 9]], [[4, 4], [4, 4]])
+        """
+        h = self.shape[2]
+        if self._parts is None:
+            idx = self._index
+            start = idx[:, :, 0].clone()
+            step = idx[:, :, 1] - idx[:, :, 0] if h > 1 else torch.ones_like(start)
+            even = h == 1 or torch.equal(idx, start[..., None] + torch.arange(h) * step[..., None])
+            return (start, step) if even else None
+        k, r, c = self._parts
+        step = _step(c)
+        if step is None:
+            return None
+        start = k[:, None] + r[None, :] + c[0]
+        return start, torch.full_like(start, step if h > 1 else 1)
+
+    def view(self, tensor: Tensor) -> Tensor | None:
+        """The block as a strided view of the contiguous ``tensor`` (writes reach it), or
+        ``None`` where heads, rows or columns do not step evenly, step backwards or may
+        overlap (an axis not stepping past all the smaller ones): the caller then indexes.
+
+        >>> heads, rows, cols = torch.tensor([0, 8]), torch.arange(2), torch.tensor([0, 4])
+        >>> Block.separable("w", heads, rows, cols).view(torch.arange(16.0))
+        tensor([[[ 0.,  4.],
+                 [ 1.,  5.]],
+        <BLANKLINE>
+                [[ 8., 12.],
+                 [ 9., 13.]]])
+        """
+        if self._parts is None or not tensor.is_contiguous():
+            return None
+        steps = [_step(t) for t in self._parts]
+        if any(s is None or s < 0 for s in steps):
+            return None
+        # distinct positions: each axis steps past everything the smaller ones cover
+        covered = 0
+        for size, step in sorted(zip(self.shape, steps), key=lambda a: a[1]):
+            if size > 1:
+                if step <= covered:
+                    return None
+                covered += (size - 1) * step
+        offset = sum(int(t[0]) for t in self._parts)
+        if offset < 0 or offset + covered >= tensor.numel():
+            return None
+        return tensor.as_strided(self.shape, steps, tensor.storage_offset() + offset)
+
     def bounds(self) -> tuple[int, int]:
         """Smallest and largest position (without listing the positions)."""
         if self._parts is None:
@@ -146,6 +200,15 @@ class Block:
         )
 
     __hash__ = object.__hash__
+
+
+def _step(values: Tensor) -> int | None:
+    """The even step of a 1-D int64 vector (0 for one value), or ``None``."""
+    if len(values) < 2:
+        return 0
+    step = int(values[1] - values[0])
+    even = values[0] + torch.arange(len(values)) * step
+    return step if torch.equal(values, even) else None
 
 
 def _separable(index: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -340,13 +403,21 @@ class Symmetries:
                     size = torch.Size(self.parameters[block.param]).numel()
                     seen[block.param] = torch.zeros(size, dtype=torch.bool)
                 mask = seen[block.param]
-                index = block.index.reshape(-1)
-                if bool(mask[index].any()) or index.unique().numel() < index.numel():
+                view = block.view(mask)  # distinct positions, when not None
+                if view is not None:
+                    twice = bool(view.any())
+                else:
+                    index = block.index.reshape(-1)
+                    twice = bool(mask[index].any()) or index.unique().numel() < index.numel()
+                if twice:
                     raise ValueError(
                         f"parameter {block.param!r} has entries claimed by two symmetric "
                         "pairs; each entry may belong to one pair only"
                     )
-                mask[index] = True
+                if view is not None:
+                    view.fill_(True)
+                else:
+                    mask[index] = True
 
     def restrict(self, names: Sequence[str]) -> Symmetries:
         """Keep the pairs whose parameters are all in ``names``."""
