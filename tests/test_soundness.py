@@ -359,3 +359,27 @@ def test_hugging_face_gradient_checkpointing_is_kept_during_a_measure():
     with pytest.warns(UserWarning, match="use_reentrant"):
         off = geosharp.sharpness(reentrant, [inputs], loss, "adaptive", 0.1, geosharp.WorstCase(2))
     assert off.settings["checkpointing"] is False
+
+
+def test_a_true_symmetry_above_the_a_priori_round_off_is_verified():
+    """A LLaMA layer (8 query heads per key/value head, width 2048, every weight
+    N(0, 0.02), the norms too: small inputs) changes under its rotary query-key
+    symmetry by more than ``4 eps cond kappa`` (7.6e-14 against 7.1e-14, once called
+    not a symmetry); the unit's measured round-off floor keeps it, with a margin."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        vocab_size=64, hidden_size=2048, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=32, num_key_value_heads=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    sym = find_symmetries(model, warn=False)
+    assert sorted(p.kind for p in sym.pairs) == ["query-key", "value-output"]
+    assert sym.complete
+    qk = next(v for v in sym.verified.values() if "query-key" in v.pair)
+    a_priori = 4 * torch.finfo(torch.float64).eps * 10 * 8  # kappa = sqrt(h) here
+    assert qk.change > 0.5 * a_priori and qk.change < qk.tolerance / 2

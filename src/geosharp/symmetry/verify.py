@@ -16,12 +16,14 @@ The change is measured entry by entry over the finite entries of every output
 (masked logits, ``-inf`` or ``-1e9``, say nothing): ``|y' - y| / (|y| + s)``, with
 ``s`` the largest change the control makes, its largest value the change. The
 tolerance is what the precision resolves on that unit and that pair:
-``c * eps * cond * kappa``, ``eps`` of the lowest precision the unit computes in
-(GPT-Neo computes part of its attention in float32 inside a float64 model), ``kappa``
-the pair's own cancellation ``max_head |G|_F |H|_F / |G H^T|_F`` (large on a badly
-balanced, re-parameterised copy). A check is *conclusive* only when the control
-moves the output by 100 times the tolerance or more; a pair whose check is not
-conclusive is not called verified.
+``c * max(eps * cond * kappa, floor)``, ``eps`` of the lowest precision the unit
+computes in (GPT-Neo computes part of its attention in float32 inside a float64
+model), ``kappa`` the pair's own cancellation ``max_head |G|_F |H|_F / |G H^T|_F``
+(large on a badly balanced, re-parameterised copy), ``floor`` the change made by
+multiplying the pair's entries by ``1 +- eps cond`` (random signs): the unit's own
+round-off, which the transformed entries carry too and the first term can miss. A
+check is *conclusive* only when the control moves the output by 100 times the
+tolerance or more; a pair whose check is not conclusive is not called verified.
 
 The model is never changed: the unit computes with copies swapped in for the
 duration (:func:`~geosharp.params.swapped`), and every object is put back.
@@ -48,7 +50,7 @@ LOSS = "<loss>"
 """The unit of a pair whose parameters are used outside the model's forward."""
 
 TOLERANCE_FACTOR = 4.0
-"""``c`` in the tolerance ``c * eps * cond * kappa`` (module docstring)."""
+"""``c`` in the tolerance ``c * max(eps * cond * kappa, floor)`` (module docstring)."""
 
 _CACHE_KEYS = ("past_key_value", "past_key_values", "layer_past", "cache_params", "cache")
 
@@ -207,7 +209,15 @@ class _UnitCheck:
             control = self.output({**self.tensors, **_acted(self.tensors, pair, self.prefix, A)})
             change, power = _changes(self.reference, moved, control)
             kappa = _cancellation(self.tensors, pair, self.prefix)
-            tolerance = min(TOLERANCE_FACTOR * _eps(self.lowest) * cond * kappa, 1e-2)
+            # the unit's own round-off: the change made by rounding-sized noise on the
+            # pair's entries, which the transformed entries carry too
+            noise = _eps(self.dtype) * cond
+            jittered = self.output(
+                {**self.tensors, **_jittered(self.tensors, pair, self.prefix, noise)}
+            )
+            floor, _ = _changes(self.reference, jittered, control)
+            tolerance = TOLERANCE_FACTOR * max(_eps(self.lowest) * cond * kappa, floor)
+            tolerance = min(tolerance, 1e-2)
             checks.append(
                 Verification(
                     pair.name,
@@ -288,6 +298,23 @@ def _acted(
         for b in blocks:
             write_block(view, b, X[:, row : row + b.shape[1]])
             row += b.shape[1]
+    return {n: flat[n].view(tensors[n].shape) for n in names}
+
+
+def _jittered(
+    tensors: dict[str, Tensor], pair: PairSpec, prefix: str, noise: float
+) -> dict[str, Tensor]:
+    """New copies of the pair's tensors with every ``G`` and ``H`` entry multiplied by
+    ``1 +- noise`` (random signs, the same on every call), keyed by the unit's local names."""
+    names = [n.removeprefix(prefix) for n in pair.params]
+    flat = {n: tensors[n].detach().clone().reshape(-1) for n in names}
+    local = {b.param: b.param.removeprefix(prefix) for b in pair.g_blocks + pair.h_blocks}
+    view = {p: flat[local[p]] for p in local}
+    for b in pair.g_blocks + pair.h_blocks:
+        X = read_block(view, b)
+        generator = torch.Generator(device=X.device).manual_seed(0)
+        factor = torch.randint(0, 2, X.shape, generator=generator, device=X.device).to(X.dtype)
+        write_block(view, b, X.mul_(factor.mul_(2 * noise).add_(1 - noise)))  # 1 +- noise
     return {n: flat[n].view(tensors[n].shape) for n in names}
 
 
