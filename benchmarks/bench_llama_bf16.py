@@ -181,6 +181,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
             precision=result.settings["precision"],
             pairs=result.settings["n_pairs"],
         )
+        _check_perturbed(result, perturbed)
     growth = _status("VmHWM") - loaded
     parts = [None] * world
     dist.all_gather_object(parts, growth)
@@ -241,7 +242,19 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
         precision=result.settings["precision"],
         pairs=result.settings["n_pairs"],
     )
+    _check_perturbed(result, perturbed)
     return row
+
+
+def _check_perturbed(result, perturbed: int) -> None:
+    """Refuse a row whose measure perturbed other entries than the attention's (a pair
+    found but not verified leaves an attention-only measure's parameters out): its
+    vectors would be counted in the wrong unit."""
+    if result.settings["n_perturbed"] != perturbed:
+        raise SystemExit(
+            f"the measure perturbed {result.settings['n_perturbed']:,} entries, the attention "
+            f"has {perturbed:,}: {result.settings['n_pairs']} pairs were used"
+        )
 
 
 SHAPE = {"layers": 22, "hidden": 2048}  # of the measured model

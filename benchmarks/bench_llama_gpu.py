@@ -138,6 +138,7 @@ def rows(
                 pairs=result.settings["n_pairs"],
                 checkpointing=result.settings.get("checkpointing"),
             )
+            _check_perturbed(result, perturbed)
             if mode.endswith("+checkpointing"):
                 model.gradient_checkpointing_disable()
         peak = memory.max_memory_allocated() - loaded if gpu else 0
@@ -188,6 +189,15 @@ def _step_seconds(model, attention, ids, loss, stamp, float32: bool) -> float:
     for p in model.parameters():
         p.requires_grad_(True)
     return statistics.median(times[1:])  # the first warms up
+
+
+def _check_perturbed(result, perturbed: int) -> None:
+    """Refuse a row whose measure perturbed other entries than the attention's."""
+    if result.settings["n_perturbed"] != perturbed:
+        raise SystemExit(
+            f"the measure perturbed {result.settings['n_perturbed']:,} entries, the attention "
+            f"has {perturbed:,}: {result.settings['n_pairs']} pairs were used"
+        )
 
 
 def report(results: list[dict]) -> str:
