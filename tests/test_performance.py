@@ -237,19 +237,41 @@ def test_inplace_methods_match(encoder, name, metric, eps):
     pulled = space.pullback_(step, egrad.clone())
     assert rel(pulled, expected) < 1e-13
 
-    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g)),
-    # with the pair blocks the pullback left in `step` and without them
+    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g))
     d = space.proju(space.egrad2rgrad(pulled))
-    sq_known, _ = space.split_direction_(pulled.clone(), step)
     work = pulled.clone()
-    sq, pair_dirs = space.split_direction_(work)
-    assert math.isclose(float(sq_known), float(sq), rel_tol=1e-12)
+    sq = space.split_direction_(work)
     assert math.isclose(float(sq), float(space.inner(d, d)), rel_tol=1e-10)
     kd, kx, kp = (torch.tensor(v, dtype=F64) for v in (0.3, 0.9, -0.2))
-    space.combine_(work, pair_dirs, kd, xi, kx, xp, kp)
+    space.combine_(work, kd, xi, kx, xp, kp)
     assert rel(work, 0.3 * d + 0.9 * xi - 0.2 * xp) < 1e-12
     # <xi, d>_g equals the Euclidean <xi, egrad> (xi horizontal): the loop relies on it
     assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, pulled)), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_scaling_outside_pairs_keeps_the_claimed_entries(frozen):
+    """``c x`` on the entries no pair ball claims (zero where ``c = 0``), the claimed
+    ones untouched, and the sum of squares over the former: with parameters wholly,
+    partly and not claimed."""
+    from geosharp.geometry.elementwise import ElementwiseSpace
+
+    gen = torch.Generator().manual_seed(0)
+    params = {n: torch.randn(12, generator=gen, dtype=F64) for n in "abc"}
+    if frozen:
+        params["c"][[1, 5]] = 0.0  # entries that cannot move (c = 0)
+    layout = ParameterLayout.from_named(list(params.items()))
+    partial = torch.zeros(12, dtype=torch.bool)
+    partial[3:8] = True
+    claimed = {"a": torch.ones(12, dtype=torch.bool), "c": partial}
+    space = ElementwiseSpace(Geometry.named("adaptive").elementwise, params, layout, claimed)
+    x = torch.randn(36, generator=gen, dtype=F64)
+    mine = torch.cat([claimed.get(n, torch.zeros(12, dtype=torch.bool)) for n in "abc"])
+    c = layout.flatten(params).abs()
+    expected = torch.where(mine, x, c * x)
+    sq = space.scale_outside_pairs_(out := x.clone())
+    assert torch.equal(out, expected)
+    assert math.isclose(float(sq), float((expected[~mine] ** 2).sum()), rel_tol=1e-14)
 
 
 def _tensors(obj, seen=None):
@@ -537,8 +559,9 @@ def test_cached_scale_changes_no_value(encoder, name):
     g = torch.randn(theta.shape, generator=gen, dtype=F64)
     assert torch.equal(lean.scale_(g.clone(), 2), cached.scale_(g.clone(), 2))
     assert torch.equal(lean.egrad2rgrad(g), cached.egrad2rgrad(g))
-    (sq_a, _), (sq_b, _) = lean.split_direction_(g.clone()), cached.split_direction_(g.clone())
-    assert torch.equal(sq_a, sq_b)
+    a, b = g.clone(), g.clone()
+    assert torch.equal(lean.split_direction_(a), cached.split_direction_(b))
+    assert torch.equal(a, b)
 
 
 # -- the gradient written over its point ------------------------------------------------

@@ -177,6 +177,30 @@ class ElementwiseSpace:
                     x[s:e].mul_(c)
         return x
 
+    def scale_outside_pairs_(self, x: Tensor, total: bool = True) -> Tensor | None:
+        """``x <- c x`` on the entries a pair ball does not claim (zero where ``c = 0``
+        there), the claimed ones kept; with ``total``, ``sum x^2`` over the former after
+        it (0-d, float64, this process's entries)."""
+        sq = torch.zeros((), dtype=torch.float64, device=x.device) if total else None
+        if self.trivial:
+            return dot(x, x, self.chunk) if total else None
+        for s, e, theta, pairs, frozen in self.pieces():
+            if pairs is True:
+                continue
+            piece = x[s:e]
+            c = self._scale_piece(theta, pairs, frozen)
+            if isinstance(pairs, Tensor):
+                c = torch.where(pairs, torch.ones_like(c), c)
+                piece.mul_(c)
+                if total:
+                    outside = piece.masked_fill(pairs, 0)
+                    sq += torch.dot(outside, outside).double()
+                continue
+            piece.mul_(c)
+            if total:
+                sq += torch.dot(piece, piece).double()
+        return sq
+
     @property
     def scale(self) -> Tensor:
         ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)

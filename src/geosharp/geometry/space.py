@@ -150,13 +150,10 @@ class Geometry:
 class Retraction:
     """What :meth:`PerturbationSpace.retr_` computed that the pullback reuses: the
     tangent ``xi`` and, per pair block, the state's saved ``h x h`` matrices (the ``xi``
-    blocks are read again rather than kept through the forward and backward).
-    :meth:`PerturbationSpace.pullback_` adds the pulled-back gradient's pair blocks,
-    which :meth:`PerturbationSpace.split_direction_` then need not gather again."""
+    blocks are read again rather than kept through the forward and backward)."""
 
     xi: Tensor
     saved: list[object]
-    grad_pairs: list[tuple[Tensor, Tensor]] | None = None
 
 
 class PerturbationSpace:
@@ -326,40 +323,32 @@ class PerturbationSpace:
 
     # -- Auto-PGD's inner loop, in place ---------------------------------------------------
 
-    def split_direction_(
-        self, egrad: Tensor, step: Retraction | None = None
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    def split_direction_(self, egrad: Tensor) -> Tensor:
         r"""Start the ascent direction ``d = proju(egrad2rgrad(egrad))`` in place.
 
-        Element-wise entries of ``egrad`` become ``c * egrad`` (``d = c^2 egrad`` there:
-        :meth:`combine_` applies the second ``c``); the pair blocks of ``d`` are returned.
-        Also returns ``||d||^2`` (float64, 0-d), as ``<d, egrad>`` (Euclidean): the
-        Riemannian gradient represents ``egrad`` in the metric and ``d`` is horizontal.
-        ``step``: the :class:`Retraction` whose :meth:`pullback_` gave ``egrad``.
+        Pair entries of ``egrad`` become those of ``d``, stack by stack; element-wise
+        entries become ``c * egrad`` (``d = c^2 egrad`` there: :meth:`combine_` applies
+        the second ``c``). Returns ``||d||^2`` (float64, 0-d), as ``<d, egrad>``
+        (Euclidean): the Riemannian gradient represents ``egrad`` in the metric and
+        ``d`` is horizontal. No vector beyond ``egrad`` is made.
         """
+        sq = torch.zeros((), dtype=torch.float64, device=egrad.device)
         if self._ball is not None:
-            known = step.grad_pairs if step is not None else None
-            sq, pair_dirs = self._ball.direction(egrad, known)
-        else:
-            sq, pair_dirs = torch.zeros((), dtype=torch.float64, device=egrad.device), []
-        self.scale_(egrad)  # zero on pair entries of pair balls and on frozen entries
-        return sq + self.dot(egrad, egrad), pair_dirs
+            sq = self._ball.direction_(egrad)
+        return sq + self._sum(self.elementwise.scale_outside_pairs_(egrad))
 
     def combine_(
         self,
         out: Tensor,
-        pair_dirs: list[tuple[Tensor, Tensor]],
         kd: Tensor,
         x: Tensor,
         kx: Tensor,
         xp: Tensor | None = None,
         kxp: Tensor | None = None,
     ) -> Tensor:
-        """``out <- kd d + kx x + kxp xp`` where ``out`` and ``pair_dirs`` come from
-        :meth:`split_direction_` (scalars: 0-d tensors, so nothing waits for the device)."""
-        self.scale_(out)
-        if self._ball is not None:
-            self._ball.write_(out, pair_dirs)  # pair entries of `out` are zero here
+        """``out <- kd d + kx x + kxp xp`` where ``out`` comes from :meth:`split_direction_`
+        (scalars: 0-d tensors, so nothing waits for the device)."""
+        self.elementwise.scale_outside_pairs_(out, total=False)
         out.mul_(kd).addcmul_(x, kx)
         if xp is not None:
             out.addcmul_(xp, kxp)
@@ -389,9 +378,7 @@ class PerturbationSpace:
                     self.pairs.write_(grad, kept)
             if not self.geometry.geodesic_step:
                 return grad
-            blocks_out = self.pairs.pullback_(step.xi, grad, step.saved)
-        if self.geometry.metric_ball:
-            step.grad_pairs = blocks_out
+            self.pairs.pullback_(step.xi, grad, step.saved)
         return grad
 
     # -- sampling and stepping ------------------------------------------------------------

@@ -339,18 +339,17 @@ class PairSpace:
             worst = torch.maximum(worst, R.abs().amax())
         return worst
 
-    def direction(self, egrad: Tensor, known: list[Blocks] | None) -> tuple[Tensor, list]:
-        """Per stack the ascent direction ``d`` of the Euclidean gradient blocks (read
-        from ``egrad``, or ``known`` when the pullback kept them) and ``sum <d, g>``."""
+    def direction_(self, egrad: Tensor) -> Tensor:
+        """Overwrite each stack's entries of the Euclidean gradient ``egrad`` with its
+        ascent direction ``d``, one stack at a time; returns ``sum <d, g>``."""
         sq = torch.zeros((), dtype=torch.float64, device=egrad.device)
-        dirs = []
-        for i, block in enumerate(self.blocks):
-            g = known[i] if known is not None else block.gather(egrad)
+        for block in self.blocks:
+            g = block.gather(egrad)
             d = block.state.direction(g)
             for dx, gx in zip(d, g):
                 sq = sq + dot(dx.reshape(-1), gx.reshape(-1), 1 << 22)
-            dirs.append(d)
-        return (sq if self.reduce is None else self.reduce(sq)), dirs
+            block.scatter_(egrad, d)
+        return sq if self.reduce is None else self.reduce(sq)
 
     def sample(self, generator: torch.Generator | None) -> list[Blocks]:
         return [block.sample(generator) for block in self.blocks]
@@ -385,15 +384,12 @@ class PairSpace:
             g_xi, h_xi = block.gather(xi)
             block.scatter_(out, (g_th + g_xi, h_th + h_xi))
 
-    def pullback_(self, xi: Tensor, grad: Tensor, saved: list[object]) -> list[Blocks]:
+    def pullback_(self, xi: Tensor, grad: Tensor, saved: list[object]) -> Tensor:
         """The gradient's pair blocks pulled back through the geodesic correction,
-        written into ``grad`` and returned."""
-        out = []
+        written into ``grad``, one stack at a time."""
         for block, kept in zip(self.blocks, saved):
-            g = block.state.pullback(block.gather(xi), block.gather(grad), kept)
-            block.scatter_(grad, g)
-            out.append(g)
-        return out
+            block.scatter_(grad, block.state.pullback(block.gather(xi), block.gather(grad), kept))
+        return grad
 
     def add_acceleration_(self, xi: Tensor, out: Tensor) -> None:
         for block in self.blocks:

@@ -136,7 +136,7 @@ class _L2Ball:
         same = xi_prev is xi
         xd = space.dot(xi, grad)
         pd = xd if same else space.dot(xi_prev, grad)
-        dd, pair_dirs = space.split_direction_(grad, step)
+        dd = space.split_direction_(grad)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
         s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
@@ -161,7 +161,7 @@ class _L2Ball:
         kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
             kx = (s2 * (alpha + gamma)).to(grad.dtype)
-        space.combine_(grad, pair_dirs, kd, xi, kx, None if same else xi_prev, kp)
+        space.combine_(grad, kd, xi, kx, None if same else xi_prev, kp)
         self.xx, self.pp, self.xp = nn, self.xx, new_x
         return grad
 
