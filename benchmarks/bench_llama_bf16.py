@@ -52,6 +52,10 @@ def _model(tokens: int):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+        # to_empty leaves buffers unset: the rotary frequencies made again
+        rotary = model.model.rotary_emb
+        for name, buffer in type(rotary)(config).named_buffers():
+            rotary.get_buffer(name).copy_(buffer)
     model.eval()
     ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
     attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
