@@ -26,6 +26,9 @@ METHODS = (
 )  # fmt: skip
 
 
+PAIR_METHOD = {"split_direction_": "direction_"}  # the pair factor's part, where named apart
+
+
 def profile(measure: str, batch: int, tokens: int, n_iters: int = 6) -> dict:
     import warnings
 
@@ -82,7 +85,9 @@ def profile(measure: str, batch: int, tokens: int, n_iters: int = 6) -> dict:
         m: cumulative("space.py", m) / n_steps for m in METHODS if cumulative("space.py", m)
     }
     row["pairs_s"] = {
-        m: cumulative("stacked.py", m) / n_steps for m in METHODS if cumulative("stacked.py", m)
+        m: cumulative("stacked.py", PAIR_METHOD.get(m, m)) / n_steps
+        for m in METHODS
+        if cumulative("stacked.py", PAIR_METHOD.get(m, m))
     }
     row["rest_s"] = row["step_s"] - row["forward_backward_s"] - sum(row["methods_s"].values())
     return row

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..geometry.space import PerturbationSpace, Retraction
+from ..geometry.space import PerturbationSpace
 
 
 class PointOverwritten(RuntimeError):
@@ -128,9 +128,7 @@ class _L2Ball:
         shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
         return space.proju_(xi.mul_(shrink.to(xi.dtype)))
 
-    def step_(
-        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
-    ) -> Tensor:
+    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
         """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
@@ -181,9 +179,7 @@ class _Box:
     def project_(self, xi: Tensor) -> Tensor:
         return self.space.clamp_box_(xi, self.rho)
 
-    def step_(
-        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, step: Retraction
-    ) -> Tensor:
+    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
@@ -250,7 +246,7 @@ def auto_pgd(
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
 
-    def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor, Retraction]:
+    def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor]:
         nonlocal shared
         point = buffers.take()
         step = space.retr_(x, point)
@@ -263,12 +259,12 @@ def auto_pgd(
             value, grad = loss_grad(point, buffers.take())
             buffers.give(point)
         notify("evaluated", i, x)
-        return value, space.pullback_(step, grad), step
+        return value, space.pullback_(step, grad)
 
     xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
     notify("start", 0, xi)
-    value, grad, step = evaluate(xi, 0)
+    value, grad = evaluate(xi, 0)
     best_value, best_xi = value, xi.clone()
     best_grad = None if low_memory else grad.clone()
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
@@ -284,13 +280,12 @@ def auto_pgd(
     for i in range(n_iters):
         # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
-        new_xi = ball.step_(xi, xi_prev, grad, eta, a, step)
-        step = None  # its pair blocks are not kept through the next forward+backward
+        new_xi = ball.step_(xi, xi_prev, grad, eta, a)
         if xi_prev is not xi:
             buffers.give(xi_prev)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
-        new_value, grad, step = evaluate(xi, i + 1)
+        new_value, grad = evaluate(xi, i + 1)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
@@ -324,10 +319,10 @@ def auto_pgd(
                     xi.copy_(best_xi)
                     if best_grad is not None:
                         grad.copy_(best_grad)
-                        value, step = best_value, None
+                        value = best_value
                     else:
                         buffers.give(grad)
-                        value, grad, step = evaluate(xi, done)
+                        value, grad = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)
             best_at_mark, last_mark = best_value, done
