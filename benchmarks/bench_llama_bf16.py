@@ -36,30 +36,76 @@ import subprocess
 import sys
 import time
 
+SHAPES = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4),  # TinyLlama-1.1B
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32),  # LLaMA-2-7B
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),  # a dry run
+}  # fmt: skip
+"""The LLaMA shapes benchmarked here and in ``bench_llama_gpu.py`` (vocabulary 32,000)."""
 
-def _model(tokens: int):
-    import torch
+
+def config(shape: str):
     import transformers as tf
 
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-    )  # fmt: skip
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    return tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SHAPES[shape])
+
+
+def _random_(model, config) -> None:
+    """Random bfloat16-scale weights (normal, std 0.02) on this process's slices, and the
+    rotary frequencies, which ``to_empty`` leaves unset, made again."""
+    import torch
+
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.02)
-        # to_empty leaves buffers unset: the rotary frequencies made again
+            getattr(p, "to_local", lambda p=p: p)().normal_(0, 0.02)
         rotary = model.model.rotary_emb
         for name, buffer in type(rotary)(config).named_buffers():
             rotary.get_buffer(name).copy_(buffer)
     model.eval()
-    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
-    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
-    return model, ids, attention
+
+
+def attention_of(model) -> list[str]:
+    return [n for n, _ in model.named_parameters() if ".self_attn." in n]
+
+
+def build(shape: str, device: str):
+    """The model of ``shape`` in bfloat16 on ``device`` (built on the meta device, random
+    weights), and the names of its attention parameters."""
+    import torch
+    import transformers as tf
+
+    made = config(shape)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(made).to(torch.bfloat16)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    _random_(model, made)
+    return model, attention_of(model)
+
+
+def _ids(tokens: int):
+    import torch
+
+    return torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def _model(tokens: int):
+    model, attention = build("1.1b", "cpu")
+    return model, _ids(tokens), attention
+
+
+def check_perturbed(result, perturbed: int) -> None:
+    """Refuse a row whose measure perturbed other entries than the attention's (a pair
+    found but not verified leaves an attention-only measure's parameters out): its
+    vectors would be counted in the wrong unit."""
+    if result.settings["n_perturbed"] != perturbed:
+        raise SystemExit(
+            f"the measure perturbed {result.settings['n_perturbed']:,} entries, the attention "
+            f"has {perturbed:,}: {result.settings['n_pairs']} pairs were used"
+        )
 
 
 def _rss_mib() -> float:
@@ -79,12 +125,9 @@ def _sharded_model(tokens: int, plan: str):
     import geosharp
     from geosharp import fsdp
 
-    config = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-    )  # fmt: skip
+    made = config("1.1b")
     with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = tf.LlamaForCausalLM(made).to(torch.bfloat16)
     if plan == "rows":  # the pairs found on the structure (no values on the meta device)
         fsdp.shard(model, geosharp.find_symmetries(model, warn=False))
     else:
@@ -93,16 +136,8 @@ def _sharded_model(tokens: int, plan: str):
         fully_shard(model)
     model.to_empty(device="cpu")
     torch.manual_seed(int(os.environ.get("RANK", "0")))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
-        model.model.rotary_emb.inv_freq.copy_(
-            1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-        )
-    model.eval()
-    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
-    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
-    return model, ids, attention
+    _random_(model, made)
+    return model, _ids(tokens), attention_of(model)
 
 
 def _reset_peak() -> float:
@@ -185,7 +220,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
             precision=result.settings["precision"],
             pairs=result.settings["n_pairs"],
         )
-        _check_perturbed(result, perturbed)
+        check_perturbed(result, perturbed)
     growth = _status("VmHWM") - loaded
     parts = [None] * world
     dist.all_gather_object(parts, growth)
@@ -246,19 +281,8 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
         precision=result.settings["precision"],
         pairs=result.settings["n_pairs"],
     )
-    _check_perturbed(result, perturbed)
+    check_perturbed(result, perturbed)
     return row
-
-
-def _check_perturbed(result, perturbed: int) -> None:
-    """Refuse a row whose measure perturbed other entries than the attention's (a pair
-    found but not verified leaves an attention-only measure's parameters out): its
-    vectors would be counted in the wrong unit."""
-    if result.settings["n_perturbed"] != perturbed:
-        raise SystemExit(
-            f"the measure perturbed {result.settings['n_perturbed']:,} entries, the attention "
-            f"has {perturbed:,}: {result.settings['n_pairs']} pairs were used"
-        )
 
 
 SHAPE = {"layers": 22, "hidden": 2048}  # of the measured model

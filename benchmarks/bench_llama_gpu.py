@@ -29,39 +29,10 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
-SHAPES = {
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),  # a dry run on the CPU
-}  # fmt: skip
-
-
-def build(shape: str, device: str):
-    """The model, random bfloat16 weights (normal, std 0.02) on ``device``, and the
-    names of its attention parameters."""
-    import torch
-    import transformers as tf
-
-    config = tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SHAPES[shape])
-    with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-        # to_empty leaves buffers unset: the rotary frequencies made again
-        rotary = model.model.rotary_emb
-        made = type(rotary)(config)
-        for name, buffer in made.named_buffers():
-            rotary.get_buffer(name).copy_(buffer)
-    model.eval()
-    attention = [n for n, _ in model.named_parameters() if ".self_attn." in n]
-    return model, attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_llama_bf16 import SHAPES, build, check_perturbed
 
 
 def rows(
@@ -138,7 +109,7 @@ def rows(
                 pairs=result.settings["n_pairs"],
                 checkpointing=result.settings.get("checkpointing"),
             )
-            _check_perturbed(result, perturbed)
+            check_perturbed(result, perturbed)
             if mode.endswith("+checkpointing"):
                 model.gradient_checkpointing_disable()
         peak = memory.max_memory_allocated() - loaded if gpu else 0
@@ -191,15 +162,6 @@ def _step_seconds(model, attention, ids, loss, stamp, float32: bool) -> float:
     return statistics.median(times[1:])  # the first warms up
 
 
-def _check_perturbed(result, perturbed: int) -> None:
-    """Refuse a row whose measure perturbed other entries than the attention's."""
-    if result.settings["n_perturbed"] != perturbed:
-        raise SystemExit(
-            f"the measure perturbed {result.settings['n_perturbed']:,} entries, the attention "
-            f"has {perturbed:,}: {result.settings['n_pairs']} pairs were used"
-        )
-
-
 def report(results: list[dict]) -> str:
     """The rows as a table (``step-float32-attention`` is timed only: its float32 weights
     and gradients are not a measure's vectors)."""
@@ -231,11 +193,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.report:
-        rows = []
+        results = []
         for path in args.report:
             with open(path) as f:
-                rows += json.load(f)
-        print(report(rows))
+                results += json.load(f)
+        print(report(results))
         return
     import torch
 

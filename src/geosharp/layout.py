@@ -20,6 +20,7 @@ from torch import Tensor
 __all__ = [
     "ParameterLayout",
     "Segment",
+    "column_starts",
     "gather_strided",
     "row_segments",
     "strided_segments",
@@ -81,13 +82,25 @@ def strided_segments(index: Tensor, max_segments: int | None = None) -> list[Seg
     """
     if index.dim() != 3 or index.numel() == 0:
         return None
+    rows = column_starts(index)
+    return None if rows is None else row_segments(*rows, max_segments)
+
+
+def column_starts(index: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(start, col)``, ``(B, n)`` int64 each (on the CPU), with ``index[b, r, c] =
+    start[b, r] + c col[b, r]`` (``col`` 1 for one column), or ``None`` when a row's
+    columns do not step evenly: a ``(B, n, h)`` block without its column axis.
+
+    >>> column_starts(torch.tensor([[[0, 4], [1, 5]]]))
+    (tensor([[0, 1]]), tensor([[4, 4]]))
+    """
     h = index.shape[2]
     idx = index.detach().to("cpu", torch.int64)
-    start = idx[:, :, 0]
+    start = idx[:, :, 0].clone()
     col = idx[:, :, 1] - idx[:, :, 0] if h > 1 else torch.ones_like(start)
     if h > 1 and not torch.equal(idx, start[..., None] + torch.arange(h) * col[..., None]):
         return None
-    return row_segments(start, col, max_segments)
+    return start, col
 
 
 def row_segments(

@@ -105,11 +105,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         # a sharded model (FSDP2): the weights are this process's slices, and w a flat
         # copy of them (the space's base point, refreshed at each step)
         self._local = target.local if target.shards is not None else None
-        self._theta = (  # there, a flat copy of the slices, which the space views
-            torch.cat([t.detach().reshape(-1) for t in target.local])
-            if target.shards is not None
-            else target.theta
-        )
+        # there, a flat copy of the slices, which the space views
+        self._theta = target.local_flat() if target.shards is not None else target.theta
         params = [p for _, p in self._named]
         if isinstance(base_optimizer, torch.optim.Optimizer):
             if kwargs:

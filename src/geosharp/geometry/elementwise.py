@@ -136,10 +136,11 @@ class ElementwiseSpace:
         return torch.cat([part.theta.to(self.dtype) for part in self.parts])
 
     def _scale_piece(
-        self, theta: Tensor, pairs: bool | Tensor, frozen: bool = True
+        self, theta: Tensor, pairs: bool | Tensor, frozen: bool = True, claimed: float = 0.0
     ) -> Tensor | None:
-        """``c`` on a piece (``None``: zero on all of it); ``frozen=False`` says that no
-        entry of the piece's parameter is below the threshold."""
+        """``c`` on a piece (``None``: zero on all of it), ``claimed`` on the entries a
+        pair ball claims; ``frozen=False`` says that no entry of the piece's parameter is
+        below the threshold."""
         if pairs is True:
             return None
         if self._unit:
@@ -149,7 +150,7 @@ class ElementwiseSpace:
             if frozen:
                 c.masked_fill_(c <= self._tiny, 0)
         if isinstance(pairs, Tensor):
-            c.masked_fill_(pairs, 0)
+            c.masked_fill_(pairs, claimed)
         return c
 
     def _frozen_mask(self, theta: Tensor, pairs: bool | Tensor) -> Tensor:
@@ -187,18 +188,10 @@ class ElementwiseSpace:
         for s, e, theta, pairs, frozen in self.pieces():
             if pairs is True:
                 continue
-            piece = x[s:e]
-            c = self._scale_piece(theta, pairs, frozen)
-            if isinstance(pairs, Tensor):
-                c = torch.where(pairs, torch.ones_like(c), c)
-                piece.mul_(c)
-                if total:
-                    outside = piece.masked_fill(pairs, 0)
-                    sq += torch.dot(outside, outside).double()
-                continue
-            piece.mul_(c)
+            piece = x[s:e].mul_(self._scale_piece(theta, pairs, frozen, claimed=1.0))
             if total:
-                sq += torch.dot(piece, piece).double()
+                outside = piece.masked_fill(pairs, 0) if isinstance(pairs, Tensor) else piece
+                sq += torch.dot(outside, outside).double()
         return sq
 
     @property

@@ -27,7 +27,6 @@ from ..layout import (
     _view,
     gather_strided,
     row_segments,
-    strided_segments,
     write_strided,
 )
 from ..symmetry.groups import read_block
@@ -79,12 +78,11 @@ class StackedPairs:
         self._segments = tuple(self._strided_segments(side) for side in ("g_blocks", "h_blocks"))
 
     def _strided_segments(self, side: str) -> list | None:
-        """The strided views of one side, found from its blocks' row starts where their
-        columns step evenly (no position listed), else from its positions."""
+        """The strided views of one side, found from its blocks' row starts (no position
+        listed); ``None`` where a block's columns do not step evenly, which no strided
+        view of its positions covers either."""
         rows = _row_starts(self.specs, side, self.layout)
-        if rows is not None:
-            return row_segments(*rows)
-        return strided_segments(_flat_index(self.specs, side, self.layout, torch.device("cpu")))
+        return None if rows is None else row_segments(*rows)
 
     @property
     def g_index(self) -> Tensor:
@@ -183,24 +181,11 @@ def _row_starts(
 ) -> tuple[Tensor, Tensor] | None:
     """The flat ``(start, step)`` of one side (:meth:`~geosharp.symmetry.pairs.Block.starts`
     of every block, stacked like the blocks), or ``None``."""
-    starts, steps = [], []
-    for spec in specs:
-        for block in getattr(spec, side):
-            rows = block.starts()
-            if rows is None:
-                return None
-            starts.append(rows[0] + layout.offset(block.param))
-            steps.append(rows[1])
-    per_spec = [len(getattr(spec, side)) for spec in specs]
-
-    def stacked(parts: list[Tensor]) -> Tensor:
-        out, i = [], 0
-        for count in per_spec:
-            out.append(torch.cat(parts[i : i + count], dim=1))
-            i += count
-        return torch.cat(out)
-
-    return stacked(starts), stacked(steps)
+    rows = {id(b): b.starts() for spec in specs for b in getattr(spec, side)}
+    if any(r is None for r in rows.values()):
+        return None
+    start = _stacked(specs, side, lambda b: rows[id(b)][0] + layout.offset(b.param))
+    return start, _stacked(specs, side, lambda b: rows[id(b)][1])
 
 
 MAX_STACK = 1 << 23  # entries of a stack's blocks: bounds the temporaries of its maths

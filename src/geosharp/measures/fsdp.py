@@ -372,7 +372,12 @@ class _Again:
 def leaf_owners(model: nn.Module, named) -> str | None:
     """The first name under which a parameter of ``named`` belongs to a module that has
     submodules (``None``: every owner is a leaf, and :class:`ShardedGathered` applies)."""
-    for owner, (module, attrs) in owning_modules(model, named).items():
+    return _non_leaf(owning_modules(model, named))
+
+
+def _non_leaf(owners: dict[str, tuple[nn.Module, list[tuple[str, str]]]]) -> str | None:
+    """:func:`leaf_owners` of :func:`~geosharp.params.owning_modules`' answer."""
+    for owner, (module, attrs) in owners.items():
         if next(module.children(), None) is not None:
             return f"{owner}.{attrs[0][0]}" if owner else attrs[0][0]
     return None
@@ -395,7 +400,8 @@ class ShardedGathered:
     def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half
         self.world = dist.get_world_size()
-        outside = leaf_owners(model, named)
+        found = owning_modules(model, named)
+        outside = _non_leaf(found)
         if outside is not None:
             owner = outside.rpartition(".")[0] or "the model"
             raise UsageError(
@@ -407,7 +413,7 @@ class ShardedGathered:
         # each module once, each of its perturbed attributes once (a module registered
         # under two names is swapped in and back once)
         self.owners: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
-        for module, attrs in owning_modules(model, named).values():
+        for module, attrs in found.values():
             kept = self.owners.setdefault(id(module), (module, []))[1]
             kept.extend(a for a in attrs if a not in kept)
         g = shards.global_layout

@@ -263,6 +263,10 @@ class Target:
     shards: Shards | None = None  # a sharded model: this process's slices
     local: list[Tensor] = field(default_factory=list)  # ... the model's own
 
+    def local_flat(self) -> Tensor:
+        """A flat copy of this process's slices (a sharded model)."""
+        return torch.cat([t.detach().reshape(-1) for t in self.local])
+
 
 def check_model(model: object) -> None:
     """An error unless ``model`` is a module whose parameters hold values: a path or a

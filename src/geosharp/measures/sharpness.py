@@ -313,7 +313,7 @@ def _sharded(model, target: Target, loss_fn) -> ShardedModel | ShardedGathered |
         return ShardedGathered(model, target.named, target.shards, loss_fn, half)
     if leaf_owners(model, target.named) is None:
         return ShardedGathered(model, target.named, target.shards, loss_fn)
-    target.theta = torch.cat([t.detach().reshape(-1) for t in target.local])
+    target.theta = target.local_flat()
     return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from ..layout import column_starts
+
 __all__ = [
     "GROUPS",
     "Block",
@@ -134,19 +136,14 @@ class Block:
         >>> block.starts()[0].tolist(), block.starts()[1].tolist()
         ([[0, 1], [8, 9]], [[4, 4], [4, 4]])
         """
-        h = self.shape[2]
         if self._parts is None:
-            idx = self._index
-            start = idx[:, :, 0].clone()
-            step = idx[:, :, 1] - idx[:, :, 0] if h > 1 else torch.ones_like(start)
-            even = h == 1 or torch.equal(idx, start[..., None] + torch.arange(h) * step[..., None])
-            return (start, step) if even else None
+            return column_starts(self._index)
         k, r, c = self._parts
         step = _step(c)
         if step is None:
             return None
         start = k[:, None] + r[None, :] + c[0]
-        return start, torch.full_like(start, step if h > 1 else 1)
+        return start, torch.full_like(start, step if self.shape[2] > 1 else 1)
 
     def view(self, tensor: Tensor) -> Tensor | None:
         """The block as a strided view of the contiguous ``tensor`` (writes reach it), or

@@ -285,20 +285,19 @@ def _acted(
 ) -> dict[str, Tensor]:
     """New copies of the pair's tensors with ``G -> G A`` and ``H -> H B`` (``B = None``:
     ``H`` unchanged), keyed by the unit's local names."""
-    names = [n.removeprefix(prefix) for n in pair.params]
-    flat = {n: tensors[n].detach().clone().reshape(-1) for n in names}
-    local = {b.param: b.param.removeprefix(prefix) for b in pair.g_blocks + pair.h_blocks}
-    view = {p: flat[local[p]] for p in local}
-    for blocks, M in ((pair.g_blocks, A), (pair.h_blocks, B)):
-        if M is None:
-            continue
-        X = torch.cat([read_block(view, b) for b in blocks], dim=1).to(torch.float64)
-        X = X @ M.to(X.device)
-        row = 0
-        for b in blocks:
-            write_block(view, b, X[:, row : row + b.shape[1]])
-            row += b.shape[1]
-    return {n: flat[n].view(tensors[n].shape) for n in names}
+
+    def act(view: dict[str, Tensor]) -> None:
+        for blocks, M in ((pair.g_blocks, A), (pair.h_blocks, B)):
+            if M is None:
+                continue
+            X = torch.cat([read_block(view, b) for b in blocks], dim=1).to(torch.float64)
+            X = X @ M.to(X.device)
+            row = 0
+            for b in blocks:
+                write_block(view, b, X[:, row : row + b.shape[1]])
+                row += b.shape[1]
+
+    return _changed_copies(tensors, pair, prefix, act)
 
 
 def _jittered(
@@ -306,15 +305,26 @@ def _jittered(
 ) -> dict[str, Tensor]:
     """New copies of the pair's tensors with every ``G`` and ``H`` entry multiplied by
     ``1 +- noise`` (random signs, the same on every call), keyed by the unit's local names."""
+
+    def jitter(view: dict[str, Tensor]) -> None:
+        for b in pair.g_blocks + pair.h_blocks:
+            X = read_block(view, b)
+            generator = torch.Generator(device=X.device).manual_seed(0)
+            factor = torch.randint(0, 2, X.shape, generator=generator, device=X.device)
+            factor = factor.to(X.dtype).mul_(2 * noise).add_(1 - noise)  # 1 +- noise
+            write_block(view, b, X.mul_(factor))
+
+    return _changed_copies(tensors, pair, prefix, jitter)
+
+
+def _changed_copies(
+    tensors: dict[str, Tensor], pair: PairSpec, prefix: str, change
+) -> dict[str, Tensor]:
+    """New copies of the pair's tensors, keyed by the unit's local names, after
+    ``change(view)`` wrote into them (``view``: flat views keyed by the pair's names)."""
     names = [n.removeprefix(prefix) for n in pair.params]
     flat = {n: tensors[n].detach().clone().reshape(-1) for n in names}
-    local = {b.param: b.param.removeprefix(prefix) for b in pair.g_blocks + pair.h_blocks}
-    view = {p: flat[local[p]] for p in local}
-    for b in pair.g_blocks + pair.h_blocks:
-        X = read_block(view, b)
-        generator = torch.Generator(device=X.device).manual_seed(0)
-        factor = torch.randint(0, 2, X.shape, generator=generator, device=X.device).to(X.dtype)
-        write_block(view, b, X.mul_(factor.mul_(2 * noise).add_(1 - noise)))  # 1 +- noise
+    change({b.param: flat[b.param.removeprefix(prefix)] for b in pair.g_blocks + pair.h_blocks})
     return {n: flat[n].view(tensors[n].shape) for n in names}
 
 
