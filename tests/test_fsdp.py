@@ -229,3 +229,32 @@ def test_the_docs_show_the_committed_step_profile():
     rows = json.loads((root / "docs/results/step_trend/trend.json").read_text())
     assert trend in (root / "docs/performance.md").read_text()
     assert {(r["batch"], r["tokens"]) for r in rows} == {(2, 128), (8, 128), (16, 128)}
+
+
+def test_the_gpu_benchmark_runs_dry_and_refuses_a_partial_measure(tmp_path):
+    """``bench_llama_gpu.py`` measures a tiny LLaMA on the CPU (a dry run of its GPU
+    path) and writes its rows; a measure that perturbed other entries than the
+    attention's (pairs left unverified) is refused, not counted."""
+    from types import SimpleNamespace
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "rows.json"
+    run_python(
+        [str(root / "benchmarks/bench_llama_gpu.py"), "--shape", "tiny", "--device", "cpu",
+         "--tokens", "16", "--json", str(out)],
+        nproc=1,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == [
+        "step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"
+    ]  # fmt: skip
+    assert all(r["value"] > 0 for r in rows[2:]) and rows[3]["pairs"] == 4
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", root / "benchmarks/bench_llama_bf16.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    partial = SimpleNamespace(settings={"n_perturbed": 10, "n_pairs": 1})
+    bench.check_perturbed(SimpleNamespace(settings={"n_perturbed": 12, "n_pairs": 2}), 12)
+    with pytest.raises(SystemExit, match="perturbed 10 entries, the attention has 12"):
+        bench.check_perturbed(partial, 12)
