@@ -5,10 +5,16 @@ and 4 processes (``torchrun``, gloo on the CPU, one thread each).
     python benchmarks/bench_fsdp.py --quick          # a smaller model
     python benchmarks/bench_fsdp.py --out results.json
     python benchmarks/bench_fsdp.py --mmap-threshold # count held memory, not the heap's
+    python benchmarks/bench_fsdp.py --model bert-384-h6 --nproc 4 --plan default
+                                 # FSDP2's default plan, which cuts every other head
 
 For every number of processes and every measure (adaptive, ``geodesic-inv``,
 ``geodesic-mix``; default mode and ``low_memory=True``) one fresh ``torchrun`` launch
-shards the model with :func:`geosharp.fsdp.shard` and, on every process:
+shards the model with :func:`geosharp.fsdp.shard` (``--plan rows``: every pair row on
+one process) or with FSDP2's default plan, ``Shard(0)`` of each layer and then the root
+(``--plan default``: with more processes than heads divide into, rows are cut and move
+through the exchange buffer of :mod:`geosharp.geometry.sharded`; the pairs found before
+sharding are passed), and, on every process:
 
 * times the sharded model's forward+backward (median of 3 after a warm-up): the
   reference step;
@@ -45,6 +51,7 @@ MEASURES = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
 MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
     "bert-384": (384, 6, 12, 1536, 8192, 8, 64),
     "quick": (128, 2, 4, 512, 2048, 4, 32),
+    "bert-384-h6": (384, 6, 6, 1536, 8192, 8, 64),  # heads of 64 rows: cut on 4 processes
 }
 
 
@@ -90,7 +97,14 @@ def child(args) -> None:
         return m(**b).loss
 
     symmetries = geosharp.find_symmetries(model, data, loss_fn=loss_fn)
-    fsdp.shard(model, symmetries)
+    if args.plan == "rows":
+        fsdp.shard(model, symmetries)
+    else:  # FSDP2's default: Shard(0) everywhere
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
     model.eval()
     local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
 
@@ -125,6 +139,7 @@ def child(args) -> None:
             args.mode,
             rho=MEASURES[args.mode],
             low_memory=args.low_memory,
+            symmetries=symmetries,
             callback=callback,
             estimator=geosharp.WorstCase(n_iters=args.n_iters),
         )
@@ -147,7 +162,7 @@ def launch(nproc: int, mode: str, args) -> list[dict]:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1", f"--master_port={29600 + nproc}",
         __file__, "--child", mode, "--model", args.model, "--n-iters", str(args.n_iters),
-        *(["--low-memory"] if args.low_memory else []),
+        "--plan", args.plan, *(["--low-memory"] if args.low_memory else []),
     ]  # fmt: skip
     for _ in range(2):  # gloo sometimes aborts a process at exit, after the results
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -171,6 +186,14 @@ def main() -> None:
         "freed memory leaves the process and the peak counts what is held, not what the "
         "allocator keeps",
     )
+    parser.add_argument(
+        "--plan",
+        default="rows",
+        choices=("rows", "default"),
+        help="geosharp.fsdp.shard's plan (rows whole) or FSDP2's default Shard(0)",
+    )
+    parser.add_argument("--measures", default=",".join(MEASURES), help="measures to run")
+    parser.add_argument("--modes", default="default,low_memory", help="default, low_memory or both")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -181,14 +204,15 @@ def main() -> None:
         return
     rows = []
     print(
-        f"model {args.model}, {args.n_iters} Auto-PGD steps, gloo, one thread per process"
-        + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
+        f"model {args.model}, plan {args.plan}, {args.n_iters} Auto-PGD steps, gloo, one "
+        "thread per process" + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
     )
     print("processes  measure          mode        buffers/process  step/fwd+bwd")
     for nproc in [int(n) for n in args.nproc.split(",")]:
         train = launch(nproc, "train", args)
-        for measure in MEASURES:
-            for low in (False, True):
+        for measure in args.measures.split(","):
+            lows = [m == "low_memory" for m in args.modes.split(",")]
+            for low in lows:
                 args.low_memory = low
                 parts = launch(nproc, measure, args)
                 buffers = max(
@@ -210,6 +234,7 @@ def main() -> None:
                 print(f"{nproc:9d}  {measure:15s}  {mode:10s}  {buffers:15.2f}  {ratio:12.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps({"model": args.model, "n_iters": args.n_iters,
+                                        "plan": args.plan,
                                         "mmap_threshold": args.mmap_threshold,
                                         "rows": rows}, indent=1) + "\n")  # fmt: skip
 

@@ -14,11 +14,11 @@ from geosharp import distributed as gd  # noqa: E402
 from geosharp import fsdp  # noqa: E402
 
 
-def bert(dtype, heads=4):
+def bert(dtype, heads=4, hidden=16):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+    config = BertConfig(vocab_size=40, hidden_size=hidden, num_hidden_layers=2,
                         num_attention_heads=heads, intermediate_size=24,
                         max_position_embeddings=16, num_labels=3,
                         attn_implementation="eager")  # fmt: skip
@@ -32,12 +32,12 @@ def bert(dtype, heads=4):
     return model, batches
 
 
-def llama(dtype):
+def llama(dtype, kv=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                         num_attention_heads=4, num_key_value_heads=kv, head_dim=4,
                          max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
     model = LlamaForCausalLM(config).to(dtype)
     g = torch.Generator().manual_seed(2)
@@ -97,29 +97,9 @@ def errors():
         geosharp.sharpness(m, [x], lambda m, b: m(b).square().mean(), "adaptive", **kw).value
         for m in (unsharded, plain)
     ] + [all(torch.equal(b, p.to_local()) for b, p in zip(before, plain.parameters()))]
-    try:  # not a Hugging Face model: its structure cannot be rebuilt on the meta device
-        geosharp.sharpness(plain, [torch.zeros(2, 3, 8)], lambda m, b: m(b).sum(), "geodesic-inv")
-        out["no symmetries"] = None
-    except geosharp.UsageError as e:
-        out["no symmetries"] = str(e)
+    out.update(hand_written())
     model, batches = bert(torch.float64, heads=2)  # a head of 8 rows over 2 processes
-    symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
-    for layer in model.bert.encoder.layer:
-        fully_shard(layer)
-    fully_shard(model)
-    for key, kw in {"found on the structure": {}, "split rows": {"symmetries": symmetries}}.items():
-        try:
-            geosharp.sharpness(
-                model,
-                batches,
-                loss_fn,
-                "geodesic-inv",
-                **kw,
-                estimator=geosharp.WorstCase(n_iters=1),
-            )
-            out[key] = None
-        except geosharp.UsageError as e:
-            out[key] = str(e)
+    default_plan(model)
     adaptive = geosharp.sharpness(
         model, batches, loss_fn, "adaptive", estimator=geosharp.WorstCase(n_iters=2)
     )
@@ -158,6 +138,108 @@ def errors():
             out[key] = None
         except geosharp.UsageError as e:
             out[key] = str(e)
+    return out
+
+
+def hand_written():
+    """Attention written by hand (not a Hugging Face model; 2 heads of 4 rows, cut over
+    4 processes by FSDP2's default plan), passed no symmetries: its pairs are traced on
+    its structure on the meta device and checked on the sharded model. ``[one process
+    with the pairs found on the unsharded model, sharded, pairs, verified]``; a loss
+    that needs values (through NumPy) cannot be traced on the meta device: the message."""
+    from torch.distributed.fsdp import fully_shard
+
+    import attention_zoo as zoo
+
+    case = next(c for c in zoo.CASES if c.name == "plain")
+    model, x = zoo.build(case)
+    model.blocks.append(zoo.Plain().to(torch.float64).eval())  # two layers
+    symmetries = geosharp.find_symmetries(model, x, loss_fn=zoo.loss_fn)
+    plain = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=2))
+    one = geosharp.sharpness(plain, [x], zoo.loss_fn, "geodesic-inv", symmetries=symmetries, **kw)
+    many = geosharp.sharpness(model, [x], zoo.loss_fn, "geodesic-inv", **kw)
+    out = {
+        "hand-written": [one.value, many.value, len(symmetries.pairs),
+                         many.settings["n_pairs"], many.symmetry["verified"]],
+    }  # fmt: skip
+
+    def valued(m, x):
+        loss = zoo.loss_fn(m, x)
+        return loss * (1.0 + 0.0 * float(loss.detach().cpu().numpy()))
+
+    try:
+        geosharp.sharpness(model, [x], valued, "geodesic-inv", **kw)
+        out["no symmetries"] = None
+    except geosharp.UsageError as e:
+        out["no symmetries"] = str(e)
+    return out
+
+
+def default_plan(model):
+    """FSDP2's default plan, ``Shard(0)`` everywhere: each layer, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = model.bert.encoder.layer if hasattr(model, "bert") else model.model.layers
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+SPLIT = {  # FSDP2's default plan cuts the rows of these heads over 2 and over 4 processes
+    "bert": (lambda: bert(torch.float64, heads=3, hidden=12), 0.05),  # heads of 4 rows of 12
+    "llama": (lambda: llama(torch.float64, kv=1), 0.05),  # one key/value head of 4 rows
+    "llama-bfloat16": (lambda: llama(torch.bfloat16, kv=1), 1.0),
+}
+
+
+def split_plan(name: str) -> list[tuple[str, str]]:
+    """Every case on the BERT; on the LLaMA (rotary subgroup on query/key) the worst
+    case of ``inv`` from zero and the average case of ``mix`` (its sampler)."""
+    if name == "llama-bfloat16":
+        return [("geodesic-inv-attn", "worst")]
+    if name == "llama":
+        return [("geodesic-inv", "worst"), ("geodesic-mix", "average")]
+    return [("geodesic-inv", c) for c in CASES] + [("geodesic-mix", c) for c in CASES]
+
+
+def split_heads():
+    """Models whose heads FSDP2's default plan cuts across processes: ``[one process,
+    sharded]`` per measure and case, the pairs found before sharding and on the sharded
+    model's structure, and whether the shards are unchanged afterwards."""
+    out = {}
+    for name, (build, rho) in SPLIT.items():
+        model, batches = build()
+        symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
+        plain = copy.deepcopy(model)
+        default_plan(model)
+        before = [p.to_local().clone() for p in model.parameters()]
+        for measure, case in split_plan(name):
+            kw = dict(rho=rho, symmetries=symmetries, **CASES[case])
+            out[f"{name}/{measure}/{case}"] = [
+                geosharp.sharpness(m, batches, loss_fn, measure, **kw).value for m in (plain, model)
+            ]
+        if name == "bert":  # no symmetries passed: found on the structure (meta device)
+            # and checked on the sharded model, its units' weights all-gathered
+            kw = dict(rho=rho, **CASES["worst"])
+            found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
+            out["bert/structure"] = [found.value, found.settings["n_pairs"],
+                                     len(symmetries.pairs), found.symmetry["verified"],
+                                     found.symmetry["unverified"]]  # fmt: skip
+            # a query squashed by a hook: the structure still shows the pair, the check
+            # on the sharded model refutes it
+            query = model.bert.encoder.layer[0].attention.self.query
+            hook = query.register_forward_hook(lambda m, args, y: torch.tanh(y))
+            refuted = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
+            hook.remove()
+            out["bert/refuted"] = [refuted.settings["n_pairs"], refuted.symmetry["verified"],
+                                   refuted.symmetry["unverified"]]  # fmt: skip
+        out[f"{name}/unchanged"] = all(
+            torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())
+        ) and all(p.grad is None for p in model.parameters())
     return out
 
 
@@ -269,6 +351,9 @@ def main():
     if "errors" in which:
         which.remove("errors")
         results["errors"] = errors()
+    if "split" in which:
+        which.remove("split")
+        results["split"] = split_heads()
     if "checkpointed" in which:
         which.remove("checkpointed")
         results["checkpointed"] = checkpointed()

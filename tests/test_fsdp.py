@@ -25,8 +25,15 @@ from launch import run_python
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 TOLERANCE = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 1e-4}
 RUNS = {
-    2: ["bert-float64", "llama-float32", "llama-bfloat16", "checkpointed", "sam:bert-float64"],
-    4: ["errors", "llama-float64", "llama-bfloat16", "sam:llama-float64"],
+    2: [
+        "bert-float64",
+        "llama-float32",
+        "llama-bfloat16",
+        "checkpointed",
+        "split",
+        "sam:bert-float64",
+    ],
+    4: ["errors", "llama-float64", "llama-bfloat16", "split", "sam:llama-float64"],
 }
 
 
@@ -46,7 +53,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
     assert data["world"] == nproc
     results = data["results"]
     for name in RUNS[nproc]:
-        if name in ("errors", "checkpointed") or name.startswith("sam:"):
+        if name in ("errors", "checkpointed", "split") or name.startswith("sam:"):
             continue
         assert results[f"{name}/model unchanged"] is True
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
@@ -64,26 +71,52 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
                 assert abs(value - case["float32"]) <= 0.05 * case["float32"], key
 
 
+@pytest.mark.parametrize("nproc", sorted(RUNS))
+def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
+    """FSDP2's default plan (``Shard(0)``) with heads that do not divide over the
+    processes: a 3-head BERT of 12 features (every head cut on 4 processes, the middle
+    one on 2) and a LLaMA with one key/value head of 4 rows, float64 and bfloat16 (float32
+    perturbations); each cut row is kept by one process and its entries moved through a
+    buffer. Every case equals one process, with the pairs found before sharding and on
+    the sharded model's structure, and the shards are unchanged afterwards. Pairs found
+    on the structure are checked on the sharded model (its attention units' weights
+    all-gathered): all verified, and a query squashed by a forward hook, which the
+    structure does not show, gets its pair refuted and dropped."""
+    from fsdp_worker import SPLIT, split_plan
+
+    results = runs[nproc]["results"]["split"]
+    for name in SPLIT:
+        assert results[f"{name}/unchanged"] is True
+        tol = TOLERANCE["bfloat16" if "bfloat16" in name else "float64"]
+        for measure, case in split_plan(name):
+            one, many = results[f"{name}/{measure}/{case}"]
+            assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
+    value, n_found, n_before, verified, unverified = results["bert/structure"]
+    assert n_found == n_before == verified == 4 and unverified == []
+    assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)
+    assert results["bert/refuted"] == [3, 3, []]  # the squashed query's pair dropped
+
+
 def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     """A float32 model whose attention has a submodule gets the point written into its
-    shards (not gathered) and its shards back. Four processes on a 2-head BERT sharded
-    by FSDP2's default (``Shard(0)``): each
-    query head's 8 weight rows are cut over two processes, refused with its fix, whether
-    the pairs were found before sharding or (passed none) on the model's structure
-    rebuilt on the meta device; a sharded model that is not a Hugging Face one needs its
-    symmetries found before sharding; adaptive needs no pairs. bfloat16 shards: a tied
+    shards (not gathered) and its shards back. Attention written by hand (not a Hugging
+    Face model) with its heads cut over the processes, passed no symmetries: pairs traced
+    on its structure on the meta device and verified on the sharded model, the
+    one-process value; a loss that needs values cannot be traced there, and the error
+    says to find the pairs before sharding. Adaptive needs no pairs.
+    bfloat16 shards: a tied
     embedding gets the one-process value, a loss that raises leaves the model as it was,
     a perturbed parameter of a module with submodules is refused. The same default plan on
     a 4-head BERT keeps whole rows and gets the one-process value, also with the pairs
     found on its structure (the same pairs as found on the unsharded model)."""
     messages = runs[4]["results"]["errors"]
     assert "found before sharding" in messages["no symmetries"]
+    assert "does not run on the meta device" in messages["no symmetries"]
+    one, many, n_before, n_found, verified = messages["hand-written"]
+    assert n_before == n_found == verified == 4
+    assert abs(many - one) <= 1e-8 * abs(one)
     one, many, restored = messages["written into the shards"]
     assert abs(many - one) <= 1e-8 * abs(one) and restored
-    for key in ("split rows", "found on the structure"):
-        split = messages[key]
-        assert "split across processes" in split and "query.weight" in split
-        assert "geosharp.fsdp.shard" in split
     assert messages["adaptive needs no pairs"] > 0
     one, many = messages["default plan"]  # 4 heads on 4 processes: FSDP2's Shard(0)
     assert abs(many - one) <= 1e-8 * abs(one)
@@ -100,6 +133,42 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert "has submodules" in messages["bfloat16 owner with submodules"]
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
+
+
+def test_a_plain_copy_computes_as_the_module_keeps_ties_and_the_users_hooks():
+    """``plain_copy`` (the unit a check on a sharded model runs, and the structure traced
+    on the meta device): the same output, a tied weight and a module under two names
+    still one object, the user's hook kept and one that ``torch.distributed``
+    registered dropped; the original untouched; on the meta device, the shapes."""
+    import torch
+
+    from geosharp.params import plain_copy
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(lin, torch.nn.Tanh(), lin, torch.nn.Linear(3, 3))
+    model[3].weight = lin.weight  # tied
+    model[1].register_forward_hook(lambda m, args, y: 2 * y)  # the user's
+
+    def gather(m, args):  # as FSDP's pre-forward would
+        raise AssertionError("a torch.distributed hook ran on the copy")
+
+    gather.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    model[0].register_forward_pre_hook(gather)
+    x = torch.randn(2, 3)
+    copied = plain_copy(model, lambda t: t.detach().clone())
+    with torch.no_grad():
+        def linear(m, t):
+            return torch.nn.functional.linear(t, m.weight, m.bias)
+
+        expected = model[3](linear(lin, 2 * torch.tanh(linear(lin, x))))
+        assert torch.equal(copied(x), expected)
+    assert copied[0] is copied[2] and copied[3].weight is copied[0].weight
+    assert copied[0].weight is not lin.weight and isinstance(copied[0].weight, torch.nn.Parameter)
+    assert len(model[0]._forward_pre_hooks) == 1 and len(copied[0]._forward_pre_hooks) == 0
+    assert len(copied[1]._forward_hooks) == 1
+    meta = plain_copy(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    assert meta(x.to("meta")).shape == (2, 3) and lin.weight.device.type == "cpu"
 
 
 def test_activation_checkpointing_is_kept_on_a_sharded_model(runs):

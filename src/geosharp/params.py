@@ -30,6 +30,7 @@ __all__ = [
     "functional_loss",
     "loss_value",
     "owning_modules",
+    "plain_copy",
     "require_grad",
     "scalar_loss",
     "swapped",
@@ -343,3 +344,68 @@ def computing_in_float32(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def plain_copy(module: nn.Module, convert: Callable[[Tensor], Tensor]) -> nn.Module:
+    """A copy of ``module``'s tree to compute with: each module a new object of its own
+    class (FSDP2's dynamic subclass left out) sharing its other attributes and the
+    user's hooks (not those of ``torch.distributed``: FSDP's gathers), holding
+    ``convert(t)`` for each parameter and buffer (a parameter stays a parameter; a
+    tensor or module held under two names stays one object). With ``convert`` a
+    ``DTensor``'s ``full_tensor`` it computes what a sharded module computes, on whole
+    tensors; with a move to the ``meta`` device, its shapes."""
+    made: dict[int, object] = {}
+
+    def tensor(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in made:
+            new = convert(t)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new.detach(), requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]  # type: ignore[return-value]
+
+    def copy(m: nn.Module) -> nn.Module:
+        if id(m) in made:
+            return made[id(m)]  # type: ignore[return-value]
+        cls = _own_class(m)
+        new = cls.__new__(cls)
+        made[id(m)] = new
+        state = dict(vars(m))
+        _drop_framework_hooks(state)
+        state["_parameters"] = {n: tensor(p) for n, p in m._parameters.items()}
+        state["_buffers"] = {n: tensor(b) for n, b in m._buffers.items()}
+        state["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+        state["_modules"] = {n: None if c is None else copy(c) for n, c in m._modules.items()}
+        new.__dict__.update(state)
+        return new
+
+    return copy(module)
+
+
+def _drop_framework_hooks(state: dict) -> None:
+    """In a module's ``vars``, new hook dicts without the hooks ``torch.distributed``
+    registered (and their flags)."""
+    tables = {k: v for k, v in state.items() if "_hooks" in k and isinstance(v, dict)}
+    kept: set[int] = set()
+    for key, table in tables.items():
+        if key.endswith("_hooks"):  # id -> hook
+            state[key] = type(table)(
+                (i, hook)
+                for i, hook in table.items()
+                if not str(getattr(hook, "__module__", "")).startswith("torch.distributed")
+            )
+            kept.update(state[key])
+    for key, table in tables.items():
+        if not key.endswith("_hooks"):  # id -> flag (with kwargs, always called)
+            state[key] = type(table)((i, flag) for i, flag in table.items() if i in kept)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The class of ``module`` before FSDP2's ``fully_shard`` subclassed it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))

@@ -10,8 +10,14 @@ with a zero row (a *phantom*, read as 0 and never written), which no row sum see
 
 :class:`Shards` describes the split: for each parameter its global shape and the
 range ``[start, start + length)`` of dimension ``dim`` held here. :func:`localize`
-turns global pairs into local :class:`ShardedStack` blocks, with an error naming the
-parameter when a row would be cut across processes.
+turns global pairs into local :class:`ShardedStack` blocks.
+
+A row cut across processes (FSDP2's ``Shard(0)`` with more processes than heads cuts
+each query/key/value row of ``h`` entries of a head) is *split*: one process, the
+lowest-ranked that holds an entry of it, keeps it in its blocks as if it held it whole,
+and every read and write of the stack's blocks moves the split rows' entries through an
+all-reduced buffer of those rows only (each entry is held by one process and zero on the
+others, so the sum is exact): the split rows' entries travel, never a whole parameter.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
 from ..layout import ParameterLayout, _view, strided_segments, write_strided
 from ..symmetry.pairs import PairSpec
 from .pairs import Rows
@@ -91,6 +96,54 @@ class Shards:
         return torch.where(held, local + self.local.offset(name), -torch.ones_like(index))
 
 
+@dataclass
+class Split:
+    """The rows of one side of a stack cut across processes, moved through a buffer of
+    ``size`` entries (``h`` per split row, the same on every process): ``mine`` are the
+    local flat positions of the entries held here and ``mine_at`` their places in the
+    buffer; ``block`` the places in this process's ``(B, n_local, h)`` block (flattened)
+    of the split rows it keeps, ``block_at`` theirs in the buffer."""
+
+    size: int
+    mine: Tensor
+    mine_at: Tensor
+    block: Tensor
+    block_at: Tensor
+
+    def to(self, device: torch.device) -> Split:
+        return Split(self.size, *(t.to(device) for t in list(vars(self).values())[1:]))
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        # all-reduced: half precision travels as float32 (exact)
+        dtype = like.dtype if like.element_size() >= 4 else torch.float32
+        return torch.zeros(self.size, dtype=dtype, device=like.device)
+
+    def receive(self, mine: Tensor, total: Reduce) -> Tensor:
+        """The buffer of every split row, whole, from each process's entries ``mine``."""
+        out = self._buffer(mine)
+        out[self.mine_at] = mine.to(out.dtype)
+        return total(out)
+
+    def fill_(self, block: Tensor, buffer: Tensor) -> None:
+        """Write the split rows kept here into ``block`` from the ``buffer``."""
+        block.view(-1)[self.block] = buffer[self.block_at].to(block.dtype)
+
+    def send(self, block: Tensor, total: Reduce) -> Tensor:
+        """The values for :attr:`mine` of the split rows in the keepers' ``block``."""
+        out = self._buffer(block)
+        out[self.block_at] = block.reshape(-1)[self.block].to(out.dtype)
+        return total(out)[self.mine_at]
+
+
+def _read(params: dict[str, Tensor], names, layout: ParameterLayout, index: Tensor, out: Tensor):
+    """``out[k] = entry index[k]`` of the local flat layout, read from ``params``
+    (``{name: flat local slice}``); ``-1`` positions are left alone."""
+    for name in names:
+        offset = layout.offset(name)
+        here = (index >= offset) & (index < offset + params[name].numel())
+        out[here] = params[name][index[here] - offset].to(out.dtype)
+
+
 class ShardedStack(StackedPairs):
     """The rows held here of a :class:`~geosharp.geometry.stacked.StackedPairs`: blocks
     ``(B, n_local, h)`` of the ``B`` heads of which this process holds a row (``heads``,
@@ -98,7 +151,9 @@ class ShardedStack(StackedPairs):
     through strided views of the held rows where they allow, else through explicit
     positions. ``rows`` are the global row numbers of the local rows (``-1``: phantom),
     ``whole`` the global ``(n, m)``, for the sampler. ``reduce`` sums a tensor of
-    per-head values over the processes, each head's over those that hold it."""
+    per-head values over the processes, each head's over those that hold it.
+    ``exchange``: per side, the :class:`Split` rows (``None``: no row of the side is
+    cut across processes), moved with ``total`` (the sum over processes)."""
 
     def __init__(
         self,
@@ -113,8 +168,10 @@ class ShardedStack(StackedPairs):
         heads: tuple[Tensor, int] | None = None,
         reduce: Reduce | None = None,
         owned: Tensor | None = None,
+        exchange: tuple[Split | None, Split | None] = (None, None),
     ):
         self.specs, self.layout, self.device, self.group = specs, None, device, group
+        self.exchange = tuple(None if x is None else x.to(device) for x in exchange)
         self.state = None
         self.rows = tuple(r.to(self.device) for r in rows)
         self.whole = whole
@@ -157,9 +214,6 @@ class ShardedStack(StackedPairs):
             out.append(index.to(self.device))
         return out[0], out[1]
 
-    def positions(self) -> tuple[Tensor, Tensor]:
-        return tuple(i[i >= 0] for i in self._explicit())  # type: ignore[return-value]
-
     def gather(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         if self._index is None and self._strided(flat):
             out = []
@@ -169,10 +223,12 @@ class ShardedStack(StackedPairs):
                     b0, nb, r0, nr = seg[:4]
                     block[b0 : b0 + nb, r0 : r0 + nr].copy_(_view(flat, seg, shape[-1]))
                 out.append(block)
-            return out[0], out[1]
-        return tuple(  # type: ignore[return-value]
-            flat[i.clamp_min(0)].masked_fill_((i < 0), 0) for i in self._explicit()
-        )
+        else:
+            out = [flat[i.clamp_min(0)].masked_fill_((i < 0), 0) for i in self._explicit()]
+        for block, split in zip(out, self.exchange):
+            if split is not None:
+                split.fill_(block, split.receive(flat[split.mine], self._total))
+        return out[0], out[1]
 
     def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The blocks of ``params`` (``{name: flat local slice}``, in their dtype), read
@@ -182,11 +238,13 @@ class ShardedStack(StackedPairs):
         layout, out = self._local, []
         for index in self._explicit():
             block = torch.zeros(index.shape, dtype=dtype, device=self.device)
-            for name in names:
-                offset = layout.offset(name)
-                here = (index >= offset) & (index < offset + params[name].numel())
-                block[here] = params[name][index[here] - offset].to(dtype)
+            _read(params, names, layout, index, block)
             out.append(block)
+        for block, split in zip(out, self.exchange):
+            if split is not None:
+                mine = torch.zeros(split.mine.shape, dtype=dtype, device=self.device)
+                _read(params, names, layout, split.mine, mine)
+                split.fill_(block, split.receive(mine, self._total))
         return out[0], out[1]
 
     def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
@@ -197,7 +255,22 @@ class ShardedStack(StackedPairs):
             out.append((index[held], block[held]))
         return out
 
+    def positions(self) -> tuple[Tensor, Tensor]:
+        return tuple(  # type: ignore[return-value]
+            i[i >= 0] if x is None else torch.cat([i[i >= 0], x.mine])
+            for i, x in zip(self._explicit(), self.exchange)
+        )
+
+    def mark_(self, mask: Tensor) -> Tensor:
+        super().mark_(mask)
+        for split in self.exchange:
+            if split is not None:
+                mask[split.mine] = True
+        return mask
+
     def scatter(self, flat: Tensor, blocks) -> Tensor:
+        if any(x is not None for x in self.exchange):
+            raise NotImplementedError("an out-of-place write of rows split across processes")
         for pos, values in self._held(blocks):
             flat = flat.index_copy(0, pos, values)
         return flat
@@ -206,18 +279,25 @@ class ShardedStack(StackedPairs):
         if self._index is None and self._strided(flat):
             for segs, block in zip(self._segments, blocks):
                 write_strided(flat, segs, block.to(flat.dtype), accumulate=False)
-            return flat
-        for pos, values in self._held(blocks):
-            flat.index_copy_(0, pos, values.to(flat.dtype))
+        else:
+            for pos, values in self._held(blocks):
+                flat.index_copy_(0, pos, values.to(flat.dtype))
+        for block, split in zip(blocks, self.exchange):
+            if split is not None:
+                flat.index_copy_(0, split.mine, split.send(block, self._total).to(flat.dtype))
         return flat
 
     def add_(self, flat: Tensor, blocks, alpha: float = 1.0) -> Tensor:
         if self._index is None and self._strided(flat):
             for segs, block in zip(self._segments, blocks):
                 write_strided(flat, segs, block.to(flat.dtype), accumulate=True, alpha=alpha)
-            return flat
-        for pos, values in self._held(blocks):
-            flat.index_add_(0, pos, values.to(flat.dtype), alpha=alpha)
+        else:
+            for pos, values in self._held(blocks):
+                flat.index_add_(0, pos, values.to(flat.dtype), alpha=alpha)
+        for block, split in zip(blocks, self.exchange):
+            if split is not None:
+                sent = split.send(block, self._total).to(flat.dtype)
+                flat.index_add_(0, split.mine, sent, alpha=alpha)
         return flat
 
     def sample(self, generator: torch.Generator | None):
@@ -262,17 +342,23 @@ def _held_segments(index: Tensor) -> list | None:
 def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) -> list[ShardedStack]:
     """The local rows of every stack of ``pairs`` (stacked as one process stacks them,
     so that the ``h x h`` sums of a head line up on every process). Positions are
-    worked out one pair at a time (no global index of a whole stack is made). Raises
-    :class:`~geosharp.errors.UsageError` when a row of a block is split across
-    processes (the parameter is sharded along the wrong dimension)."""
+    worked out one pair at a time (no global index of a whole stack is made). A row cut
+    across processes is kept by the lowest-ranked process holding an entry of it, its
+    entries moved through a :class:`Split` buffer (one all-reduce per pair and side
+    finds those rows)."""
     out = []
     for (n, m, _, group, _part), specs in group_pairs(pairs).items():  # as stack_pairs does
-        sides, rows = [], []
+        sides, rows, exchange = [], [], []
         for side in ("g_blocks", "h_blocks"):
-            parts = [_held_rows(spec, side, shards) for spec in specs]
+            parts, done = [], 0
+            for spec in specs:
+                parts.append(_held_rows(spec, side, shards, done))
+                done += parts[-1][-1]
             n_local = max((p[0].shape[1] for p in parts), default=0)
             sides.append(torch.cat([_pad_rows(p[0], n_local) for p in parts]))
             rows.append(torch.cat([_pad_rows(p[1], n_local) for p in parts]))
+            kept_at = torch.cat([_pad_rows(p[2], n_local) for p in parts])
+            exchange.append((done, kept_at, *(torch.cat([p[k] for p in parts]) for k in (3, 4))))
         # the heads of which a row is held here (a Shard(0) plan holds whole heads), and
         # those of them whose per-head values this process adds up (the last holder's)
         held = (rows[0] >= 0).any(1) | (rows[1] >= 0).any(1)
@@ -291,32 +377,56 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
             (heads, held.numel()) if heads.numel() < held.numel() else None,
             shards.reduce,
             owned,
+            tuple(_split(x, heads, b.shape[-1]) for x, b in zip(exchange, sides)),  # type: ignore[arg-type]
         )
         out.append(stack)
     return out
 
 
-def _held_rows(spec: PairSpec, side: str, shards: Shards) -> tuple[Tensor, Tensor]:
+def _split(x: tuple, heads: Tensor, h: int) -> Split | None:
+    """The :class:`Split` of one side from :func:`_held_rows`' parts (``None`` when no
+    row of it is cut), its kept rows placed in the blocks of the ``heads`` held here."""
+    count, kept_at, mine, mine_at = x
+    if count == 0:
+        return None
+    kept_at = kept_at[heads]
+    b, k = (kept_at >= 0).nonzero(as_tuple=True)
+    cols = torch.arange(h)
+    block = ((b * kept_at.shape[1] + k) * h)[:, None] + cols
+    block_at = (kept_at[b, k] * h)[:, None] + cols
+    return Split(count * h, mine, mine_at, block.reshape(-1), block_at.reshape(-1))
+
+
+def _held_rows(
+    spec: PairSpec, side: str, shards: Shards, before: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """One pair's rows held here: local positions ``(B, k, h)`` (held rows first, in
-    their global order, ``-1`` rows after for heads that hold fewer) and their global
-    row numbers ``(B, k)`` (``-1`` there)."""
+    their global order, ``-1`` rows after for heads that hold fewer, and on the split
+    rows kept here, whose entries come through the buffer) and their global row
+    numbers ``(B, k)`` (``-1`` there); the split rows kept here, by their number in the
+    buffer (``(B, k)``, ``-1`` elsewhere, numbered after ``before``); the local
+    positions of the entries held here of split rows and their places in the buffer;
+    and the number of split rows."""
     local = torch.cat([shards.to_local(b.param, b.index) for b in getattr(spec, side)], 1)
     held = local >= 0
     whole = held.all(-1)
-    if bool((held.any(-1) & ~whole).any()):
-        names = sorted({b.param for b in getattr(spec, side)})
-        raise UsageError(
-            f"the pair rows of {', '.join(names)} are split across processes: shard each "
-            "pair weight along the dimension of its rows (the input features of "
-            "query/key/value weights, the output features of the output weight), e.g. "
-            "with geosharp.fsdp.shard(model, symmetries)"
-        )
-    k = int(whole.sum(1).max()) if whole.numel() else 0
-    order = torch.sort((~whole).to(torch.int8), dim=1, stable=True).indices[:, :k]
-    keep = torch.gather(whole, 1, order)
+    cut = held.any(-1) & ~whole
+    # a row is split where some process holds part of it; the lowest such rank keeps it
+    lowest = -shards.reduce_max(torch.where(cut, -float(shards.rank), -math.inf).double())
+    split = lowest < math.inf
+    kept = whole | (lowest == shards.rank)
+    number = (torch.cumsum(split.reshape(-1), 0) - 1 + before).view(split.shape)
+    number = torch.where(split, number, -1)
+    k = int(kept.sum(1).max()) if kept.numel() else 0
+    order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    keep = torch.gather(kept, 1, order)
     picked = torch.gather(local, 1, order[..., None].expand(-1, -1, local.shape[-1]))
-    picked[~keep] = -1
-    return picked, torch.where(keep, order, -torch.ones_like(order))
+    picked[~torch.gather(whole, 1, order)] = -1
+    row = torch.where(keep, order, -torch.ones_like(order))
+    kept_at = torch.where(keep, torch.gather(number, 1, order), -1)
+    entries = held & split[..., None]
+    at = number[..., None] * local.shape[-1] + torch.arange(local.shape[-1])
+    return picked, row, kept_at, local[entries], at[entries], int(split.sum())
 
 
 def _pad_rows(x: Tensor, k: int) -> Tensor:

@@ -9,9 +9,14 @@ attention pairs' ``h x h`` matrices are all-reduced sums over the rows each proc
 holds (:mod:`geosharp.geometry.sharded`). Every process takes the same Auto-PGD
 decisions, and the model's shards are restored bit for bit at the end.
 
-The pairs need whole rows on each process: query/key/value weights sharded along
-their input features (``Shard(1)`` of an ``nn.Linear`` weight), output weights along
-their output features (``Shard(0)``). :func:`shard` applies such a plan::
+Any ``Shard(dim)`` plan is measured. The pair maths is cheapest with whole rows on
+each process: query/key/value weights sharded along their input features (``Shard(1)``
+of an ``nn.Linear`` weight), output weights along their output features
+(``Shard(0)``); :func:`shard` applies such a plan. A row cut across processes (FSDP2's
+default ``Shard(0)`` with more processes than heads cuts each query/key/value row of a
+head) is kept by one process, its entries moved through an all-reduced buffer of the
+cut rows at every read and write of the pair blocks (see
+:mod:`geosharp.geometry.sharded`)::
 
     import geosharp
     from geosharp import distributed as gd, fsdp
@@ -27,6 +32,12 @@ launched as ``OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 script.py``. Every p
 runs the forward on the batch it is given: give all processes the same batches (the
 one-process value), or each its own share of one batch, when the loss is a mean over
 equal shares (FSDP averages the gradients and geosharp the losses).
+
+Without ``symmetries`` (and not sharded by :func:`shard`), a sharded Hugging Face
+model's pairs are found on its structure (:func:`meta_replica`) and checked on the
+sharded model with the first batch, each attention unit on its weights all-gathered,
+the verdicts agreed over processes
+(:func:`~geosharp.symmetry.discovery.verify_symmetries` with ``agree``).
 
 Random starts and directions are drawn block by block of ``2**20`` entries, each block
 from its own seed, and each process draws the blocks its slices meet (the numbers of
@@ -53,6 +64,7 @@ communication objects live can abort after its work is done.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 
@@ -68,6 +80,7 @@ from ..params import (
     computing_in_float32,
     loss_value,
     owning_modules,
+    plain_copy,
     require_grad,
     scalar_loss,
 )
@@ -121,6 +134,72 @@ def meta_replica(model: nn.Module) -> nn.Module | None:
         return None
     names = {n for n, _ in model.named_parameters()}
     return replica if {n for n, _ in replica.named_parameters()} == names else None
+
+
+def sharded_symmetries(model: nn.Module, probe: tuple[object, Callable] | None) -> Symmetries:
+    """The symmetries of a sharded model passed none, found without an unsharded copy:
+    on its structure on the ``meta`` device (a Hugging Face model rebuilt from its
+    config, :func:`meta_replica`; any other model traced on its
+    :func:`structural_replica` with the batch of ``probe = (batch, loss_fn)`` on the
+    meta device), then checked on the sharded model with that batch, the verdicts agreed
+    over processes (:func:`~geosharp.symmetry.discovery.verify_symmetries`)."""
+    from ..symmetry.discovery import find_symmetries, verify_symmetries
+
+    batch, loss_fn = probe if probe is not None else (None, None)
+    replica = meta_replica(model)
+    if replica is not None:
+        symmetries = find_symmetries(replica, warn=False)
+    else:
+        how = "no batch to trace it with"
+        if batch is not None:
+            how = "its forward does not run on the meta device"
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                try:
+                    symmetries = find_symmetries(
+                        structural_replica(model), _on_meta(batch), loss_fn=loss_fn
+                    )
+                except Exception as e:  # a loss that needs values (e.g. .item())
+                    said.append(f"{type(e).__name__}: {e}")  # type: ignore[arg-type]
+                    symmetries = None
+            if symmetries is not None and symmetries.discovery == "trace":
+                how = None
+            else:  # the trace's own reason, where it gave one
+                reasons = [str(getattr(w, "message", w)) for w in said]
+                cause = next((r for r in reasons if "; pass a batch" in r), None)
+                if cause is not None:  # "could not run ... (Error: message); pass a batch"
+                    cause = cause.split(" (", 1)[-1].rsplit("); pass a batch", 1)[0]
+                elif reasons and symmetries is None:
+                    cause = reasons[-1]
+                how += f" ({cause.splitlines()[0]})" if cause else ""
+        if how is not None:
+            raise UsageError(
+                f"the symmetries of this sharded model cannot be found on its structure "
+                f"({how}): pass symmetries=geosharp.find_symmetries(model, "
+                "batch, loss_fn=...) found before sharding, or shard it with "
+                "geosharp.fsdp.shard(model, symmetries)"
+            )
+    if batch is not None:
+        symmetries = verify_symmetries(
+            model, symmetries, batch, loss_fn=loss_fn, agree=all_reduce_max()
+        )
+        reshard(model)  # the root keeps its parameters gathered after a forward
+    return symmetries
+
+
+def _on_meta(batch: object) -> object:
+    """``batch`` with its tensors on the meta device (shapes and dtypes only)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, batch)
+
+
+def structural_replica(model: nn.Module) -> nn.Module:
+    """The unsharded structure of any sharded model on the ``meta`` device, for tracing
+    (:func:`~geosharp.params.plain_copy`): each module of its own class, meta parameters
+    of the global shapes (a tied weight stays one), the user's hooks but not FSDP's. Its
+    forward computes shapes, never values."""
+    return plain_copy(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 def placements(model: nn.Module, symmetries: Symmetries) -> dict[str, int]:

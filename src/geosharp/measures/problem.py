@@ -48,8 +48,8 @@ from .fsdp import (
     check_shardable,
     is_sharded,
     local_shards,
-    meta_replica,
     reshard,
+    sharded_symmetries,
     symmetries_of,
 )
 
@@ -310,15 +310,8 @@ def find_target(
         if symmetries is None:
             symmetries = symmetries_of(model)
     if symmetries is None and (geo.metric is not None or pairs_only):
-        if sharded:  # found on its structure, rebuilt on the meta device: not verified
-            replica = meta_replica(model)
-            if replica is None:
-                raise UsageError(
-                    "a sharded model's symmetries are found before sharding: pass "
-                    "symmetries=geosharp.find_symmetries(model, batch, loss_fn=...) found on "
-                    "the unsharded model, or shard it with geosharp.fsdp.shard(model, symmetries)"
-                )
-            symmetries = find_symmetries(replica, warn=False)
+        if sharded:  # found on its structure, checked on the sharded model
+            symmetries = sharded_symmetries(model, probe)
         elif probe is not None:
             batch, loss_fn = probe
             symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)

@@ -43,7 +43,7 @@ from .inputs import example_inputs
 from .pairs import Block, Dropped, PairSpec, Symmetries
 from .registry import handler_for
 from .trace import Tracer
-from .verify import LOSS, capture_inputs, unit_of, verify_pairs
+from .verify import LOSS, capture_inputs, sharded_unit, unit_of, verify_pairs
 
 __all__ = ["find_symmetries", "verify_symmetries"]
 
@@ -227,22 +227,39 @@ def verify_symmetries(
     loss_fn: Callable[[nn.Module, object], Tensor] | None = None,
     cond: float = 10.0,
     seed: int = 0,
+    agree: Callable[[Tensor], Tensor] | None = None,
 ) -> Symmetries:
     """``symmetries`` with every :attr:`~Symmetries.unverified` pair (declared by hand,
     or found without a batch) checked on ``inputs`` (passed as in
     :func:`find_symmetries`): a pair that a transform refutes, or whose check is not
-    conclusive, is dropped with the reason. The model is left unchanged."""
+    conclusive, is dropped with the reason. The model is left unchanged.
+
+    A model sharded with FSDP2 (every process calls this, ``agree`` the element-wise
+    maximum over processes, e.g. :func:`geosharp.distributed.all_reduce_max`): the
+    verdicts are agreed, a pair verified where every process verified it and dropped
+    where any did not; a pair whose unit is an FSDP module (or holds one) is not
+    checked and stays unverified (:func:`~geosharp.symmetry.verify.sharded_unit`)."""
     todo = [p for p in symmetries.pairs if p.name in set(symmetries.unverified)]
+    if agree is not None:
+        modules, uses = dict(model.named_modules()), _uses(model, {})
+        todo = [p for p in todo if not sharded_unit(model, unit_of(p, modules, uses))]
     if not todo:
         return symmetries
     run = _forward(model, inputs, loss_fn)
     checks = _verify(model, run, todo, cond, seed, _uses(model, {}))
+    good = [c is not None and c.ok and c.conclusive for c in checks]
+    if agree is not None:  # the same pairs on every process
+        failed = agree(torch.tensor([not g for g in good], dtype=torch.float64)) > 0
+        good = [g and not f for g, f in zip(good, failed.tolist())]
     verified, dropped, bad = dict(symmetries.verified), list(symmetries.dropped), set()
-    for pair, check in zip(todo, checks):
-        if check is not None and check.ok and check.conclusive:
+    for pair, check, ok in zip(todo, checks, good):
+        if ok:
             verified[pair.name] = check
             continue
-        reason = _unverified(check) if check is None or check.ok else _refuted(check)
+        if check is not None and check.ok and check.conclusive:
+            reason = "not verified: its check failed on another process"
+        else:
+            reason = _unverified(check) if check is None or check.ok else _refuted(check)
         dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
         bad.add(pair.name)
     modules = [*symmetries.unrecognized, *(p.module for p in todo if p.name in bad)]

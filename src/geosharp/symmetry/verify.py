@@ -27,6 +27,13 @@ tolerance or more; a pair whose check is not conclusive is not called verified.
 
 The model is never changed: the unit computes with copies swapped in for the
 duration (:func:`~geosharp.params.swapped`), and every object is put back.
+
+On a model sharded with FSDP2, a unit is checked on a copy of it without FSDP's hooks
+(the user's kept) whose parameters are all-gathered (:func:`~geosharp.params.plain_copy`;
+every process gathers the same units in the same order): one layer's weights at a
+time. A unit that holds FSDP modules below it (the model itself, where a weight is tied
+across layers) or is the loss is not checked (:func:`sharded_unit`): it would gather
+the whole model.
 """
 
 from __future__ import annotations
@@ -40,11 +47,18 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..params import evaluation_mode, swapped
+from ..params import evaluation_mode, plain_copy, swapped
 from .groups import random_group_elements, read_block, write_block
 from .pairs import PairSpec, Verification
 
-__all__ = ["LOSS", "TOLERANCE_FACTOR", "capture_inputs", "unit_of", "verify_pairs"]
+__all__ = [
+    "LOSS",
+    "TOLERANCE_FACTOR",
+    "capture_inputs",
+    "sharded_unit",
+    "unit_of",
+    "verify_pairs",
+]
 
 LOSS = "<loss>"
 """The unit of a pair whose parameters are used outside the model's forward."""
@@ -84,6 +98,19 @@ def unit_of(
         while common and ".".join(common) not in known:
             common.pop()
     return ".".join(common)
+
+
+def sharded_unit(model: nn.Module, unit: str) -> bool:
+    """Whether ``unit`` of a model sharded with FSDP2 is too large to check: it holds
+    FSDP modules below it, or is the loss of a sharded model."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    if unit == LOSS:
+        return any(isinstance(m, FSDPModule) for m in model.modules())
+    module = dict(model.named_modules())[unit]
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
 
 
 def capture_inputs(
@@ -138,7 +165,7 @@ def verify_pairs(
     out: list[Verification | None] = [None] * len(pairs)
     with evaluation_mode(model), torch.no_grad():
         for unit, indices in by_unit.items():
-            if unit not in inputs or (unit == LOSS and run is None):
+            if unit not in inputs or (unit == LOSS and run is None) or sharded_unit(model, unit):
                 continue
             args, kwargs = inputs[unit]
             unit_pairs = [pairs[i] for i in indices]
@@ -162,6 +189,8 @@ class _UnitCheck:
 
     def __init__(self, module, unit, prefix, args, kwargs, run):
         self.module, self.unit, self.prefix, self.run = module, unit, prefix, run
+        if any(hasattr(p, "full_tensor") for p in module.parameters()):  # sharded
+            module = self.module = plain_copy(module, _whole)
         own = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         native = _dtype(own)
         if run is None:
@@ -350,6 +379,11 @@ def _eps(dtype: torch.dtype) -> float:
 def _dtype(tensors: dict[str, Tensor]) -> torch.dtype:
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     return floats[0] if floats else torch.float32
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A sharded parameter (a ``DTensor``) all-gathered, anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
