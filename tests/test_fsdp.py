@@ -15,6 +15,7 @@ floor.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,7 @@ def test_a_plain_copy_computes_as_the_module_keeps_ties_and_the_users_hooks():
     x = torch.randn(2, 3)
     copied = plain_copy(model, lambda t: t.detach().clone())
     with torch.no_grad():
+
         def linear(m, t):
             return torch.nn.functional.linear(t, m.weight, m.bias)
 
@@ -203,6 +205,24 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
         assert f"{min(values):.1f}-{max(values):.1f}" in readme
     ratios = [r["step_over_forward_backward"] for r in bench["rows"]]
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme
+
+
+def test_the_docs_show_the_committed_cut_heads_benchmark():
+    """docs/performance.md's table of cut heads against whole rows is the committed
+    output of ``bench_fsdp.py --plan default`` and ``--plan rows``."""
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs/performance.md").read_text()
+    names = {"rows": "rows whole (`fsdp.shard`)", "default": "FSDP2's default, heads cut"}
+    for kind, name in names.items():
+        bench = json.loads((root / f"docs/results/fsdp/bench_fsdp_cut_{kind}.json").read_text())
+        assert bench["plan"] == kind and bench["mmap_threshold"]
+        for row in bench["rows"]:
+            step = statistics.median(p["step"] for p in row["raw"])
+            line = (
+                f"| {name} | {row['measure']} | {row['buffers_per_process']:.2f} | "
+                f"{row['step_over_forward_backward']:.2f} | {step:.2f} s |"
+            )
+            assert line in docs, line
 
 
 @pytest.mark.parametrize("nproc", sorted(RUNS))
