@@ -33,11 +33,10 @@ runs the forward on the batch it is given: give all processes the same batches (
 one-process value), or each its own share of one batch, when the loss is a mean over
 equal shares (FSDP averages the gradients and geosharp the losses).
 
-Without ``symmetries`` (and not sharded by :func:`shard`), a sharded Hugging Face
-model's pairs are found on its structure (:func:`meta_replica`) and checked on the
-sharded model with the first batch, each attention unit on its weights all-gathered,
-the verdicts agreed over processes
-(:func:`~geosharp.symmetry.discovery.verify_symmetries` with ``agree``).
+Without ``symmetries`` (and not sharded by :func:`shard`), a sharded model's pairs are
+found on its structure on the meta device and checked on the sharded model with the
+first batch, each attention unit on its weights all-gathered, the verdicts agreed over
+processes (:func:`sharded_symmetries`).
 
 Random starts and directions are drawn block by block of ``2**20`` entries, each block
 from its own seed, and each process draws the blocks its slices meet (the numbers of
@@ -159,7 +158,7 @@ def sharded_symmetries(model: nn.Module, probe: tuple[object, Callable] | None) 
                     symmetries = find_symmetries(
                         structural_replica(model), _on_meta(batch), loss_fn=loss_fn
                     )
-                except Exception as e:  # a loss that needs values (e.g. .item())
+                except Exception as e:  # a loss that needs values (e.g. through NumPy)
                     said.append(f"{type(e).__name__}: {e}")  # type: ignore[arg-type]
                     symmetries = None
             if symmetries is not None and symmetries.discovery == "trace":
