@@ -20,7 +20,9 @@ loss and its gradient together) and reads from the device once per checkpoint on
 Its parameter-sized buffers are recycled, never allocated per step: the point, whose
 gradient is written over it (one buffer for both, the training step's own), the
 perturbation ``xi``, its previous and best values, and the best point's gradient for
-a restart there. With ``low_memory=True`` that gradient is not kept but recomputed
+a restart there. On the host the best value is the iterate's own buffer while it is the
+best (kept from recycling until a better one replaces it): no copy on an improving
+step. With ``low_memory=True`` the best point's gradient is not kept but recomputed
 when a restart goes back to a best point that is not the current one (one more
 forward+backward there, none otherwise).
 """
@@ -265,11 +267,13 @@ def auto_pgd(
     ball.start(None if xi0 is None else xi)
     notify("start", 0, xi)
     value, grad = evaluate(xi, 0)
-    best_value, best_xi = value, xi.clone()
+    on_host = xi.device.type in _HOST_DEVICES
+    # on the host the best point is the iterate itself where it is the best (no copy):
+    # its buffer is kept, not recycled, until a better one replaces it
+    best_value, best_xi = value, xi if on_host else xi.clone()
     best_grad = None if low_memory else grad.clone()
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
-    on_host = xi.device.type in _HOST_DEVICES
     xi_prev = xi
     eta = 2.0 * rho
     marks = set(checkpoints(n_iters))
@@ -281,7 +285,7 @@ def auto_pgd(
         # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
         new_xi = ball.step_(xi, xi_prev, grad, eta, a)
-        if xi_prev is not xi:
+        if xi_prev is not xi and xi_prev is not best_xi:
             buffers.give(xi_prev)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
@@ -293,8 +297,10 @@ def auto_pgd(
         best_sq = torch.where(improved, ball.xx, best_sq)
         if on_host:
             if bool(improved):
-                best_xi.copy_(xi)
-                if best_grad is not None:
+                if best_xi is not xi_prev:  # held for itself alone: free
+                    buffers.give(best_xi)
+                best_xi = xi
+                if best_grad is not None:  # the step writes over the gradient: a copy
                     best_grad.copy_(grad)
         else:
             torch.where(improved, xi, best_xi, out=best_xi)
@@ -312,7 +318,7 @@ def auto_pgd(
             reduced_last = too_few or stalled
             if reduced_last:  # halve the step and go back to the best point
                 eta /= 2.0
-                if xi_prev is not xi:
+                if xi_prev is not xi and xi_prev is not best_xi:
                     buffers.give(xi_prev)
                 xi_prev = xi
                 if not at_best:
