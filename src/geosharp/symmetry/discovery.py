@@ -237,16 +237,17 @@ def verify_symmetries(
     A model sharded with FSDP2 (every process calls this, ``agree`` the element-wise
     maximum over processes, e.g. :func:`geosharp.distributed.all_reduce_max`): the
     verdicts are agreed, a pair verified where every process verified it and dropped
-    where any did not; a pair whose unit is an FSDP module (or holds one) is not
-    checked and stays unverified (:func:`~geosharp.symmetry.verify.sharded_unit`)."""
+    where any did not; a pair whose unit holds FSDP modules below it (the whole model)
+    is not checked and stays unverified (:func:`~geosharp.symmetry.verify.sharded_unit`)."""
     todo = [p for p in symmetries.pairs if p.name in set(symmetries.unverified)]
+    uses = _uses(model, {})
     if agree is not None:
-        modules, uses = dict(model.named_modules()), _uses(model, {})
+        modules = dict(model.named_modules())
         todo = [p for p in todo if not sharded_unit(model, unit_of(p, modules, uses))]
     if not todo:
         return symmetries
     run = _forward(model, inputs, loss_fn)
-    checks = _verify(model, run, todo, cond, seed, _uses(model, {}))
+    checks = _verify(model, run, todo, cond, seed, uses)
     good = [c is not None and c.ok and c.conclusive for c in checks]
     if agree is not None:  # the same pairs on every process
         failed = agree(torch.tensor([not g for g in good], dtype=torch.float64)) > 0
