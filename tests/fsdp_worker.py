@@ -50,6 +50,15 @@ def loss_fn(model, batch):
     return model(**batch).loss
 
 
+def alone(*args, **kwargs) -> float | None:
+    """``geosharp.sharpness(*args, **kwargs).value`` on rank 0 only (``None`` elsewhere):
+    a one-process reference, which the other processes do not repeat on the shared cores
+    (they wait at the next collective)."""
+    import torch.distributed as dist
+
+    return geosharp.sharpness(*args, **kwargs).value if dist.get_rank() == 0 else None
+
+
 # two steps: the second retracts, pulls back and steps from a point off theta
 CASES = {
     "worst": dict(estimator=geosharp.WorstCase(n_iters=2)),
@@ -113,15 +122,19 @@ def errors():
     fully_shard(model)
     kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=3), symmetries=symmetries)
     out["default plan"] = [
-        geosharp.sharpness(m, batches, loss_fn, "geodesic-inv", **kw).value for m in (plain, model)
+        alone(plain, batches, loss_fn, "geodesic-inv", **kw),
+        geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw).value,
     ]
     # each process holds the rows of one head: the others' are not kept; random tangents
     # are drawn for every head on every process
     drawn = dict(kw, estimator=geosharp.AverageCase(n_samples=2), seed=7)
     out["default plan, random"] = [
-        geosharp.sharpness(m, batches, loss_fn, measure, **drawn).value
+        value
         for measure in ("geodesic-inv", "geodesic-mix")
-        for m in (plain, model)
+        for value in (
+            alone(plain, batches, loss_fn, measure, **drawn),
+            geosharp.sharpness(model, batches, loss_fn, measure, **drawn).value,
+        )
     ]
     # no symmetries passed: found on the sharded model's structure (meta device)
     kw.pop("symmetries")
@@ -160,10 +173,10 @@ def hand_written():
         fully_shard(block)
     fully_shard(model)
     kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=2))
-    one = geosharp.sharpness(plain, [x], zoo.loss_fn, "geodesic-inv", symmetries=symmetries, **kw)
+    one = alone(plain, [x], zoo.loss_fn, "geodesic-inv", symmetries=symmetries, **kw)
     many = geosharp.sharpness(model, [x], zoo.loss_fn, "geodesic-inv", **kw)
     out = {
-        "hand-written": [one.value, many.value, len(symmetries.pairs),
+        "hand-written": [one, many.value, len(symmetries.pairs),
                          many.settings["n_pairs"], many.symmetry["verified"]],
     }  # fmt: skip
 
@@ -220,7 +233,8 @@ def split_heads():
         for measure, case in split_plan(name):
             kw = dict(rho=rho, symmetries=symmetries, **CASES[case])
             out[f"{name}/{measure}/{case}"] = [
-                geosharp.sharpness(m, batches, loss_fn, measure, **kw).value for m in (plain, model)
+                alone(plain, batches, loss_fn, measure, **kw),
+                geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
             ]
         if name == "bert":  # no symmetries passed: found on the structure (meta device)
             # and checked on the sharded model, its units' weights all-gathered
@@ -304,9 +318,9 @@ def checkpointed():
         fsdp.shard(model, symmetries)
         kw = dict(rho=1.0, estimator=geosharp.WorstCase(n_iters=2))
         for measure in ("geodesic-inv-attn", "adaptive"):
-            one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
+            one = alone(plain, batches, loss_fn, measure, **kw)
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
-            out[f"{dtype}/{measure}"] = [one.value, many.value, many.settings["checkpointing"]]
+            out[f"{dtype}/{measure}"] = [one, many.value, many.settings["checkpointing"]]
     return out
 
 
@@ -372,8 +386,10 @@ def main():
         for measure, case in plan(name):
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
-            one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
+            if rank != 0:  # the one-process references (and the results) are rank 0's
+                continue
+            one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
             results[f"{name}/{measure}/{case}"] = {
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),

@@ -38,14 +38,24 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = {}
-    for nproc, names in RUNS.items():
-        path = tmp_path_factory.mktemp(f"fsdp{nproc}") / "results.json"
-        run_python([str(WORKER), str(path), *names], nproc=nproc)
-        out[nproc] = json.loads(path.read_text())
-    return out
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, request):
+    """The workers' results, made once per test run: xdist's test processes share them
+    through the run's temporary folder (the first makes them, the others wait)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base
+    with FileLock(str(shared / "fsdp.lock")):
+        done = shared / "fsdp-results.json"
+        if not done.exists():
+            out = {}
+            for nproc, names in RUNS.items():
+                path = shared / f"fsdp{nproc}.json"
+                run_python([str(WORKER), str(path), *names], nproc=nproc)
+                out[nproc] = json.loads(path.read_text())
+            done.write_text(json.dumps(out))
+        return {int(k): v for k, v in json.loads(done.read_text()).items()}
 
 
 @pytest.mark.parametrize("nproc", sorted(RUNS))
