@@ -111,7 +111,8 @@ class Split:
     block_at: Tensor
 
     def to(self, device: torch.device) -> Split:
-        return Split(self.size, *(t.to(device) for t in list(vars(self).values())[1:]))
+        move = [t.to(device) for t in (self.mine, self.mine_at, self.block, self.block_at)]
+        return Split(self.size, *move)
 
     def _buffer(self, like: Tensor) -> Tensor:
         # all-reduced: half precision travels as float32 (exact)
