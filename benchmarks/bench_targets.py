@@ -467,7 +467,7 @@ def profile(args, device, autocast_dtype) -> None:
 
         setattr(owner, name, wrapped)
 
-    for name in ["retr_", "pullback_", "split_direction_", "combine_"]:
+    for name in ["retr_", "pullback_", "direction_", "combine_"]:
         label(space.PerturbationSpace, name)
     regions = []
 

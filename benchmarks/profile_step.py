@@ -7,7 +7,7 @@ A BERT-base-shaped encoder (12 layers, width 768, 12 heads; random weights, floa
 one batch of ``--batch`` x ``--tokens`` random tokens, 2 CPU threads; for adaptive and
 ``geodesic-inv`` sharpness of the whole model, 6 Auto-PGD steps under ``cProfile``. The
 forward+backward is the time inside the loss-and-gradient call; each method of the
-perturbation space (``retr_``, ``pullback_``, ``proju_``, ``split_direction_``, ...) is
+perturbation space (``retr_``, ``pullback_``, ``proju_``, ``direction_``, ...) is
 reported by its cumulative time per step, with the share of the pair blocks in it, and
 "rest" is what is left of the step. Times are under the profiler, which slows the
 Python-level calls. Run on a quiet machine.
@@ -21,12 +21,12 @@ import json
 import pstats
 
 METHODS = (
-    "retr_", "pullback_", "proju_", "split_direction_", "combine_", "inner", "norm",
+    "retr_", "pullback_", "proju_", "direction_", "combine_", "inner", "norm",
     "scale_", "clamp_box_", "empty",
 )  # fmt: skip
 
 
-PAIR_METHOD = {"split_direction_": "direction_"}  # the pair factor's part, where named apart
+PAIR_METHOD: dict[str, str] = {}  # the pair factor's part, where named apart
 
 
 def profile(measure: str, batch: int, tokens: int, n_iters: int = 6) -> dict:

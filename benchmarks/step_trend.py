@@ -11,7 +11,11 @@ one process, interleaved so that load from elsewhere hits both alike:
 Per batch size and measure: the median forward+backward (``loss.backward()`` with
 gradients of every parameter, as the measure takes them), the median time between two
 evaluations of the measure (one step: forward, backward, pullback, step, retraction),
-and their ratio (the step through ``sharpness(..., callback=...)``).
+and their ratio (the step through ``sharpness(..., callback=...)``); and the steadier
+ratio ``(forward+backward + loop) / forward+backward`` with the loop's own work timed
+inside the call (from the end of one evaluation to the start of the next), which the
+whole step's timing noise (a forward+backward moves by several percent between calls)
+does not reach.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def measure_batch(model, config, batch: int, tokens: int, measures, n_iters: int
         return m(**b).loss
 
     symmetries = geosharp.find_symmetries(model, data[0], loss_fn=loss)
-    plain, steps = [], {m: [] for m in measures}
+    plain, steps, loops = [], {m: [] for m in measures}, {m: [] for m in measures}
     for _ in range(repeats):
         start = time.perf_counter()
         loss(model, data[0]).backward()
@@ -53,22 +57,27 @@ def measure_batch(model, config, batch: int, tokens: int, measures, n_iters: int
         model.zero_grad(set_to_none=True)
         for measure in measures:
             done: list[float] = []
+            begun: list[float] = []
 
-            def callback(event, i, iterate, done=done):
+            def callback(event, i, iterate, done=done, begun=begun):
                 if event == "evaluated":
                     done.append(time.perf_counter())
+                elif event == "evaluate" and done:
+                    begun.append(time.perf_counter())
 
             geosharp.sharpness(
                 model, data, loss, measure, None, geosharp.WorstCase(n_iters),
                 symmetries=symmetries, callback=callback,
             )  # fmt: skip
             steps[measure] += [b - a for a, b in itertools.pairwise(done)]
+            loops[measure] += [b - a for a, b in zip(done, begun)]
     fb = statistics.median(plain)
     rows = []
     for measure in measures:
-        step = statistics.median(steps[measure])
+        step, loop = statistics.median(steps[measure]), statistics.median(loops[measure])
         row = dict(measure=measure, batch=batch, tokens=tokens, tokens_per_batch=batch * tokens)
-        rows.append({**row, "forward_backward_s": fb, "step_s": step, "ratio": step / fb})
+        row |= {"forward_backward_s": fb, "step_s": step, "ratio": step / fb}
+        rows.append(row | {"loop_s": loop, "steady_ratio": (fb + loop) / fb})
     return rows
 
 
@@ -94,7 +103,7 @@ def main() -> None:
             print(
                 f"{r['measure']:<13} {r['batch']:>3} x {r['tokens']} tokens: forward+backward "
                 f"{r['forward_backward_s']:.2f} s, step {r['step_s']:.2f} s "
-                f"({r['ratio']:.2f}x)",
+                f"({r['ratio']:.2f}x); loop {r['loop_s']:.3f} s ({r['steady_ratio']:.3f}x)",
                 flush=True,
             )
     if args.json:

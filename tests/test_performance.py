@@ -200,13 +200,14 @@ def test_pair_kernels_float32(metric):
 # -- in-place space methods ------------------------------------------------------------------
 
 GEOMETRIES = [
-    ("euclidean", "inv", 0.0),
-    ("adaptive", "inv", 0.0),
-    ("geodesic", "inv", 0.0),
-    ("geodesic", "inv", 0.05),
-    ("geodesic", "mix", 0.0),
-    ("geodesic-norm-only", "mix", 0.0),
-    ("geodesic-curvature-only", "inv", 0.0),
+    ("euclidean", "inv", 0.0, "straight"),
+    ("adaptive", "inv", 0.0, "straight"),
+    ("adaptive", "inv", 0.0, "exp"),
+    ("geodesic", "inv", 0.0, "straight"),
+    ("geodesic", "inv", 0.05, "straight"),
+    ("geodesic", "mix", 0.0, "exp"),
+    ("geodesic-norm-only", "mix", 0.0, "straight"),
+    ("geodesic-curvature-only", "inv", 0.0, "straight"),
 ]
 
 
@@ -217,10 +218,11 @@ def encoder():
     return case, layout, theta, geosharp.find_symmetries(case.model).pairs
 
 
-@pytest.mark.parametrize("name,metric,eps", GEOMETRIES)
-def test_inplace_methods_match(encoder, name, metric, eps):
+@pytest.mark.parametrize("name,metric,eps,step", GEOMETRIES)
+def test_inplace_methods_match(encoder, name, metric, eps, step):
     _, layout, theta, pairs = encoder
-    space = PerturbationSpace(theta, layout, pairs, Geometry.named(name, metric=metric, eps=eps))
+    geometry = Geometry.named(name, metric=metric, eps=eps, elementwise_step=step)
+    space = PerturbationSpace(theta, layout, pairs, geometry)
     gen = torch.Generator().manual_seed(0)
     xi = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
     xp = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
@@ -245,6 +247,22 @@ def test_inplace_methods_match(encoder, name, metric, eps):
     kd, kx, kp = (torch.tensor(v, dtype=F64) for v in (0.3, 0.9, -0.2))
     space.combine_(work, kd, xi, kx, xp, kp)
     assert rel(work, 0.3 * d + 0.9 * xi - 0.2 * xp) < 1e-12
+    # direction_ reads the Euclidean <xi, g>, <xp, g> in the same pass
+    again = pulled.clone()
+    sq2, (dx, dp) = space.direction_(again, xi, xp)
+    assert float(sq2) == float(sq)
+    assert math.isclose(float(dx), float(torch.dot(xi, pulled)), rel_tol=1e-12)
+    assert math.isclose(float(dp), float(torch.dot(xp, pulled)), rel_tol=1e-12)
+    # the step's point written in the same pass as the step, over xp's buffer
+    if space.fused_step:
+        point = xp.clone()
+        space.combine_(again, kd, xi, kx, point, kp, point=point)
+        space.retr_(again, point, written=True)
+        assert torch.equal(again, work)
+        assert torch.allclose(point, space.retr(work), rtol=1e-14, atol=1e-15)
+    else:
+        with pytest.raises(ValueError, match="exponential"):
+            space.combine_(again, kd, xi, kx, xp, kp, point=xp.clone())
     # <xi, d>_g equals the Euclidean <xi, egrad> (xi horizontal): the loop relies on it
     assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, pulled)), rel_tol=1e-9)
 
@@ -257,21 +275,25 @@ def test_scaling_outside_pairs_keeps_the_claimed_entries(frozen):
     from geosharp.geometry.elementwise import ElementwiseSpace
 
     gen = torch.Generator().manual_seed(0)
-    params = {n: torch.randn(12, generator=gen, dtype=F64) for n in "abc"}
-    if frozen:
-        params["c"][[1, 5]] = 0.0  # entries that cannot move (c = 0)
+    params = {n: torch.randn(12, generator=gen, dtype=F64) for n in "abdc"}
+    if frozen:  # entries that cannot move (c = 0), in a partly claimed parameter and in a
+        params["c"][[1, 5]] = 0.0  # free one that shares its run with another
+        params["d"][[0, 11]] = 1e-200  # below sqrt(tiny): frozen, though not 0
     layout = ParameterLayout.from_named(list(params.items()))
     partial = torch.zeros(12, dtype=torch.bool)
     partial[3:8] = True
     claimed = {"a": torch.ones(12, dtype=torch.bool), "c": partial}
     space = ElementwiseSpace(Geometry.named("adaptive").elementwise, params, layout, claimed)
-    x = torch.randn(36, generator=gen, dtype=F64)
-    mine = torch.cat([claimed.get(n, torch.zeros(12, dtype=torch.bool)) for n in "abc"])
+    x = torch.randn(48, generator=gen, dtype=F64)
+    mine = torch.cat([claimed.get(n, torch.zeros(12, dtype=torch.bool)) for n in "abdc"])
     c = layout.flatten(params).abs()
+    c[c <= torch.finfo(F64).tiny ** 0.5] = 0.0
     expected = torch.where(mine, x, c * x)
     sq = space.scale_outside_pairs_(out := x.clone())
     assert torch.equal(out, expected)
     assert math.isclose(float(sq), float((expected[~mine] ** 2).sum()), rel_tol=1e-14)
+    kinds = [run.kind for run in space.runs]
+    assert kinds == ["claimed", "free", "mixed"] and space.runs[1].frozen == frozen
 
 
 def _tensors(obj, seen=None):

@@ -17,6 +17,7 @@ are computed piece by piece where used, never kept (unless ``cache_scale``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,21 @@ class _Part:
         return self.start + self.theta.numel()
 
 
+@dataclass
+class _Run:
+    """Entries ``[start, end)`` of a flat tangent, at most a chunk, over pieces of
+    consecutive parameters of one ``kind``: ``"free"`` (no entry claimed: ``c`` is
+    ``|theta|``, zero below the threshold where ``frozen``, or 1), ``"claimed"`` (every
+    entry claimed by a pair ball) or ``"mixed"`` (one piece of a parameter partly
+    claimed)."""
+
+    start: int
+    end: int
+    kind: str
+    pieces: list[tuple[Tensor, bool | Tensor, bool]]  # (theta piece, claimed, frozen)
+    frozen: bool = False
+
+
 class ElementwiseSpace:
     """:class:`Elementwise` at ``theta`` (``{name: 1-D view}`` in the layout's order),
     for tangents in ``dtype`` (default: ``theta``'s; a wider one reads ``theta`` in it
@@ -99,7 +115,8 @@ class ElementwiseSpace:
         self._set_frozen()
         self.trivial = self._unit and not claimed  # c = 1 everywhere
         # Element-wise work on CPU goes in cache-sized pieces; a GPU takes large ones.
-        self.chunk = (1 << 18) if self.device.type == "cpu" else (1 << 26)
+        self.chunk = (1 << 20) if self.device.type == "cpu" else (1 << 26)
+        self._set_runs()
         self._cached_scale = None
         if cache_scale and not self.trivial:
             self._cached_scale = self.scale  # one vector more, one pass less per use
@@ -109,9 +126,45 @@ class ElementwiseSpace:
             if not self._unit and part.pairs is not True:
                 part.frozen = bool(self._frozen_mask(part.theta, part.pairs).any())
 
+    def _set_runs(self) -> None:
+        """Group the pieces into :class:`_Run` s: the in-place loop's operations go run by
+        run, a few operations each, so that small parameters cost no dispatch of their
+        own and a run's vectors stay in cache between them. A run holds at most an eighth
+        of the entries (its scratch buffer is never a parameter-sized vector)."""
+        cap = min(self.chunk, max(1 << 10, -(-self.numel // 8)))
+        runs: list[_Run] = []
+        for s, e, theta, pairs, frozen in self.pieces(cap):
+            kind = "claimed" if pairs is True else "mixed" if isinstance(pairs, Tensor) else "free"
+            last = runs[-1] if runs else None
+            if last is not None and kind == last.kind != "mixed" and e - last.start <= cap:
+                last.end = e
+                last.pieces.append((theta, pairs, frozen))
+            else:
+                runs.append(_Run(s, e, kind, [(theta, pairs, frozen)]))
+            runs[-1].frozen = runs[-1].frozen or (frozen and not self._unit)
+        self.runs = runs
+        self._scratch = None
+
+    def _c(self, run: _Run, claimed: float = 0.0) -> Tensor | None:
+        """``c`` on ``run`` in a reused buffer (``None``: the constant ``claimed`` on a
+        claimed run, 1 on a free run of the Euclidean scale)."""
+        if run.kind == "claimed" or (run.kind == "free" and self._unit):
+            return None
+        n = run.end - run.start
+        if self._scratch is None:
+            longest = max(r.end - r.start for r in self.runs if r.kind == "free")
+            self._scratch = torch.empty(longest, dtype=self.dtype, device=self.device)
+        if run.kind == "free":
+            pieces = [theta for theta, _, _ in run.pieces]
+            c = torch.cat(pieces, out=self._scratch[:n]).abs_()
+            return torch.threshold_(c, self._tiny, 0.0) if run.frozen else c
+        ((theta, pairs, frozen),) = run.pieces
+        return self._scale_piece(theta, pairs, frozen, claimed)
+
     def refresh(self) -> None:
         """Recompute the frozen entries and a cached scale from the current ``theta``."""
         self._set_frozen()
+        self._set_runs()
         if self._cached_scale is not None:
             self._cached_scale = None
             self._cached_scale = self.scale
@@ -122,9 +175,10 @@ class ElementwiseSpace:
 
     # -- the base point, piece by piece --------------------------------------------------
 
-    def pieces(self):
-        """``(start, end, theta piece, claimed mask piece, frozen)`` covering the layout."""
-        step = self.chunk
+    def pieces(self, step: int | None = None):
+        """``(start, end, theta piece, claimed mask piece, frozen)`` covering the layout,
+        pieces of at most ``step`` (default: :attr:`chunk`) entries."""
+        step = self.chunk if step is None else step
         for part in self.parts:
             n = part.theta.numel()
             for a in range(0, n, step):
@@ -147,8 +201,8 @@ class ElementwiseSpace:
             c = torch.ones_like(theta, dtype=self.dtype)
         else:
             c = theta.to(self.dtype).abs()
-            if frozen:
-                c.masked_fill_(c <= self._tiny, 0)
+            if frozen:  # c <= tiny -> 0
+                torch.threshold_(c, self._tiny, 0.0)
         if isinstance(pairs, Tensor):
             c.masked_fill_(pairs, claimed)
         return c
@@ -182,17 +236,59 @@ class ElementwiseSpace:
         """``x <- c x`` on the entries a pair ball does not claim (zero where ``c = 0``
         there), the claimed ones kept; with ``total``, ``sum x^2`` over the former after
         it (0-d, float64, this process's entries)."""
-        sq = torch.zeros((), dtype=torch.float64, device=x.device) if total else None
-        if self.trivial:
-            return dot(x, x, self.chunk) if total else None
-        for s, e, theta, pairs, frozen in self.pieces():
-            if pairs is True:
+        sq, _ = self.direction_(x)
+        return sq if total else None
+
+    def direction_(self, x: Tensor, others: Sequence[Tensor] = ()) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`scale_outside_pairs_` with its sum of squares, and ``<y, x>`` over every
+        entry, before the scaling, for each ``y`` of ``others``: one pass, run by run
+        (0-d float64 sums of this process's entries)."""
+        partial = torch.zeros((len(self.runs), 1 + len(others)), dtype=x.dtype, device=x.device)
+        for i, run in enumerate(self.runs):
+            piece, row = x[run.start : run.end], partial[i]
+            for j, y in enumerate(others, 1):
+                torch.dot(y[run.start : run.end], piece, out=row[j])
+            if run.kind == "claimed":
                 continue
-            piece = x[s:e].mul_(self._scale_piece(theta, pairs, frozen, claimed=1.0))
-            if total:
-                outside = piece.masked_fill(pairs, 0) if isinstance(pairs, Tensor) else piece
-                sq += torch.dot(outside, outside).double()
-        return sq
+            c = self._c(run, claimed=1.0)
+            if c is not None:
+                piece.mul_(c)
+            pairs = run.pieces[0][1]
+            outside = piece.masked_fill(pairs, 0) if isinstance(pairs, Tensor) else piece
+            torch.dot(outside, outside, out=row[0])
+        sums = partial.double().sum(0)
+        return sums[0], list(sums[1:])
+
+    def combine_(
+        self,
+        out: Tensor,
+        kd: Tensor,
+        x: Tensor,
+        kx: Tensor,
+        xp: Tensor | None,
+        kxp: Tensor | None,
+        point: Tensor | None = None,
+    ) -> Tensor:
+        """``out <- kd c out + kx x + kxp xp`` (``c`` = 1 on the claimed entries), run by
+        run; the scalars are 0-d tensors of ``out``'s dtype. With ``point`` (the straight
+        step only), also ``point <- theta + out`` on every entry, in the same pass;
+        ``point`` may be ``xp``'s buffer (each run is read before it is written)."""
+        if point is not None and self.exp:
+            raise ValueError("the exponential step cannot be written in the same pass")
+        for run in self.runs:
+            s, e = run.start, run.end
+            piece = out[s:e]
+            c = self._c(run, claimed=1.0)
+            piece.mul_(kd if c is None else c.mul_(kd)).addcmul_(x[s:e], kx)
+            if xp is not None:
+                piece.addcmul_(xp[s:e], kxp)
+            if point is not None:
+                thetas = [theta for theta, _, _ in run.pieces]
+                if len(thetas) == 1:
+                    torch.add(thetas[0], piece, out=point[s:e])
+                else:
+                    torch.cat(thetas, out=point[s:e]).add_(piece)
+        return out
 
     @property
     def scale(self) -> Tensor:

@@ -306,8 +306,7 @@ class InvState(PairState):
             # a = x M - B N: J^T u = u M^T + B (S^T B^-1 + B^-1 S) - x (T^T B^-1 + B^-1 T),
             # S = x^T u, T = B^T u (B^-1 symmetric).
             S, T = self._sum(_t(xx) @ uu), self._sum(_t(B) @ uu)
-            K2 = _t(S) @ B_inv + B_inv @ S
-            K1 = _t(T) @ B_inv + B_inv @ T
+            K2, K1 = _sym(B_inv @ S), _sym(B_inv @ T)  # X^T B^-1 + B^-1 X, B^-1 symmetric
             g = torch.bmm(uu, eye + 0.5 * _t(M))
             out.append(g.baddbmm_(B, K2, alpha=0.5).baddbmm_(xx, K1, alpha=-0.5))
         return out[0], out[1]

@@ -332,10 +332,16 @@ class PerturbationSpace:
         (Euclidean): the Riemannian gradient represents ``egrad`` in the metric and
         ``d`` is horizontal. No vector beyond ``egrad`` is made.
         """
-        sq = torch.zeros((), dtype=torch.float64, device=egrad.device)
-        if self._ball is not None:
-            sq = self._ball.direction_(egrad)
-        return sq + self._sum(self.elementwise.scale_outside_pairs_(egrad))
+        return self.direction_(egrad)[0]
+
+    def direction_(self, egrad: Tensor, *others: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`split_direction_`, and the Euclidean ``<y, egrad>`` of each ``y`` of
+        ``others`` before it, read in the same pass (float64, 0-d each)."""
+        sq, dots = self.elementwise.direction_(egrad, others)
+        sums = self._sum(torch.stack([sq, *dots]))
+        if self._ball is not None:  # after: the element-wise pass keeps the pair entries
+            sums[0] += self._ball.direction_(egrad)
+        return sums[0], list(sums[1:])
 
     def combine_(
         self,
@@ -345,21 +351,29 @@ class PerturbationSpace:
         kx: Tensor,
         xp: Tensor | None = None,
         kxp: Tensor | None = None,
+        point: Tensor | None = None,
     ) -> Tensor:
         """``out <- kd d + kx x + kxp xp`` where ``out`` comes from :meth:`split_direction_`
-        (scalars: 0-d tensors, so nothing waits for the device)."""
-        self.elementwise.scale_outside_pairs_(out, total=False)
-        out.mul_(kd).addcmul_(x, kx)
-        if xp is not None:
-            out.addcmul_(xp, kxp)
-        return out
+        (scalars: 0-d tensors, so nothing waits for the device). With ``point`` (where
+        :attr:`fused_step`), also writes the element-wise entries of :meth:`retr` of the
+        result into ``point`` in the same pass: :meth:`retr_` with ``written=True``
+        completes it. ``point`` may be ``xp``'s buffer."""
+        return self.elementwise.combine_(out, kd, x, kx, xp, kxp, point)
 
-    def retr_(self, xi: Tensor, out: Tensor) -> Retraction:
+    @property
+    def fused_step(self) -> bool:
+        """Whether :meth:`combine_` can write the point's element-wise entries (the
+        straight element-wise step)."""
+        return not self.elementwise.exp
+
+    def retr_(self, xi: Tensor, out: Tensor, written: bool = False) -> Retraction:
         """Write :meth:`retr` into ``out`` (not differentiable); returns what
-        :meth:`pullback_` needs."""
+        :meth:`pullback_` needs. ``written``: :meth:`combine_` wrote the element-wise
+        entries already."""
         saved: list[object] = []
         with torch.no_grad():
-            self.elementwise.step_(xi, out)
+            if not written:
+                self.elementwise.step_(xi, out)
             if self.pairs is not None:
                 saved = self.pairs.retr_(xi, out, straighten=self.elementwise.exp)
         return Retraction(xi, saved)

@@ -112,8 +112,10 @@ class _L2Ball:
 
     (``xi`` horizontal), and the norms of ``z = xi + c d`` and of the momentum point
     ``alpha xi + beta d + gamma xi_prev`` follow from the Gram matrix of ``xi, d,
-    xi_prev``, whose other entries are carried from step to step as 0-d tensors. The new
-    point is written with three in-place vector operations and no host synchronisation.
+    xi_prev``, whose other entries are carried from step to step as 0-d tensors. A step
+    reads the vectors twice, run by run (:meth:`PerturbationSpace.direction_`: the two dot
+    products and ``||d||^2``; :meth:`PerturbationSpace.combine_`: the new ``xi`` and, for a
+    straight element-wise step, its point ``theta + xi``), with no host synchronisation.
     """
 
     def __init__(self, space: PerturbationSpace, rho: float):
@@ -130,13 +132,19 @@ class _L2Ball:
         shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
         return space.proju_(xi.mul_(shrink.to(xi.dtype)))
 
-    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
-        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`)."""
+    def step_(
+        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, point: Tensor | None
+    ) -> tuple[Tensor, bool]:
+        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`); where the
+        space allows, write the element-wise entries of its point into ``point`` in the
+        same pass (returned: whether it did)."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
-        xd = space.dot(xi, grad)
-        pd = xd if same else space.dot(xi_prev, grad)
-        dd = space.split_direction_(grad)
+        if same:
+            dd, (xd,) = space.direction_(grad, xi)
+            pd = xd
+        else:
+            dd, (xd, pd) = space.direction_(grad, xi, xi_prev)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
         s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
@@ -161,9 +169,10 @@ class _L2Ball:
         kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
             kx = (s2 * (alpha + gamma)).to(grad.dtype)
-        space.combine_(grad, kd, xi, kx, None if same else xi_prev, kp)
+        fuse = point is not None and space.fused_step
+        space.combine_(grad, kd, xi, kx, None if same else xi_prev, kp, point if fuse else None)
         self.xx, self.pp, self.xp = nn, self.xx, new_x
-        return grad
+        return grad, fuse
 
     def restart(self, norm_sq: Tensor) -> None:
         self.xx = self.pp = self.xp = norm_sq
@@ -181,13 +190,15 @@ class _Box:
     def project_(self, xi: Tensor) -> Tensor:
         return self.space.clamp_box_(xi, self.rho)
 
-    def step_(self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float) -> Tensor:
+    def step_(
+        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, point: Tensor | None
+    ) -> tuple[Tensor, bool]:
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
             z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
             self.project_(z)
-        return z
+        return z, False
 
     def restart(self, norm_sq: Tensor) -> None:
         pass
@@ -248,10 +259,13 @@ def auto_pgd(
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
 
-    def evaluate(x: Tensor, i: int) -> tuple[Tensor, Tensor]:
+    def evaluate(x: Tensor, i: int, point: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The loss and pulled-back gradient at ``x``; ``point``: a buffer whose
+        element-wise entries of the point the step wrote already."""
         nonlocal shared
-        point = buffers.take()
-        step = space.retr_(x, point)
+        written = point is not None
+        point = buffers.take() if point is None else point
+        step = space.retr_(x, point, written=written)
         notify("evaluate", i, x)
         try:
             value, grad = loss_grad(point, point if shared else buffers.take())
@@ -284,12 +298,15 @@ def auto_pgd(
     for i in range(n_iters):
         # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
         a = momentum if i > 0 else 1.0
-        new_xi = ball.step_(xi, xi_prev, grad, eta, a)
-        if xi_prev is not xi and xi_prev is not best_xi:
-            buffers.give(xi_prev)
+        # the point's buffer: xi_prev's where nothing else holds it (read before written)
+        free_prev = xi_prev is not xi and xi_prev is not best_xi
+        point = xi_prev if free_prev else buffers.take()
+        new_xi, written = ball.step_(xi, xi_prev, grad, eta, a, point)
+        if not written:
+            buffers.give(point)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
-        new_value, grad = evaluate(xi, i + 1)
+        new_value, grad = evaluate(xi, i + 1, point if written else None)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
