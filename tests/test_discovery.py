@@ -142,6 +142,30 @@ def test_a_meta_model_is_discovered_without_weights():
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_trace_that_cannot_run_says_why():
+    """``Symmetries.trace_error``: the first line of the error that stopped the trace
+    (a forward that reads values, on the meta device), ``None`` where it ran."""
+
+    class Reads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            out = self.attn(x, x, x)[0]
+            return out * float(out.detach().cpu().numpy().sum() > 0)  # a value, not a shape
+
+    with torch.device("meta"):
+        model = Reads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        failed = find_symmetries(model, torch.zeros(2, 3, 8, device="meta"), warn=False)
+        ran = find_symmetries(model.attn, (torch.zeros(2, 3, 8, device="meta"),) * 3)
+    assert failed.discovery == "structure" and failed.trace_error is not None
+    assert "\n" not in failed.trace_error and ":" in failed.trace_error
+    assert ran.discovery == "trace" and ran.trace_error is None
+
+
 def test_a_meta_model_with_partial_rotary_and_fused_heads():
     tf = pytest.importorskip("transformers")
     config = tf.GPTNeoXConfig(

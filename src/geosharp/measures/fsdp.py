@@ -152,25 +152,19 @@ def sharded_symmetries(model: nn.Module, probe: tuple[object, Callable] | None) 
         how = "no batch to trace it with"
         if batch is not None:
             how = "its forward does not run on the meta device"
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
-                try:
+            try:
+                with warnings.catch_warnings():  # torch's, on shapes without values
+                    warnings.simplefilter("ignore")
                     symmetries = find_symmetries(
-                        structural_replica(model), _on_meta(batch), loss_fn=loss_fn
+                        structural_replica(model), _on_meta(batch), loss_fn=loss_fn, warn=False
                     )
-                except Exception as e:  # a loss that needs values (e.g. through NumPy)
-                    said.append(f"{type(e).__name__}: {e}")  # type: ignore[arg-type]
-                    symmetries = None
+                cause = symmetries.trace_error
+            except Exception as e:  # a loss that needs values (e.g. through NumPy)
+                symmetries, cause = None, f"{type(e).__name__}: {e}".splitlines()[0]
             if symmetries is not None and symmetries.discovery == "trace":
                 how = None
-            else:  # the trace's own reason, where it gave one
-                reasons = [str(getattr(w, "message", w)) for w in said]
-                cause = next((r for r in reasons if "; pass a batch" in r), None)
-                if cause is not None:  # "could not run ... (Error: message); pass a batch"
-                    cause = cause.split(" (", 1)[-1].rsplit("); pass a batch", 1)[0]
-                elif reasons and symmetries is None:
-                    cause = reasons[-1]
-                how += f" ({cause.splitlines()[0]})" if cause else ""
+            elif cause:  # the trace's own reason
+                how += f" ({cause})"
         if how is not None:
             raise UsageError(
                 f"the symmetries of this sharded model cannot be found on its structure "

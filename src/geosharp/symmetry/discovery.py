@@ -104,13 +104,16 @@ def find_symmetries(
     unknown: list[tuple[str, str, frozenset[str]]] = []
     discovery = "structure"
     assembly = None
+    failures: list[str] = []  # why a trace did not run, the last attempt's last
     if run is not None:
         head = _head(inputs) if inputs is not None else None
         small = _forward(model, head, loss_fn, meta) if head is not None else None
         if small is not None:  # the layout does not depend on the batch size
-            assembly = _traced(model, small, meta, True, warn=False)
+            assembly = _traced(model, small, meta, True, warn=False, failures=failures)
         if assembly is None:
-            assembly = _traced(model, run, meta, inputs is None, warn and inputs is not None)
+            assembly = _traced(
+                model, run, meta, inputs is None, warn and inputs is not None, failures
+            )
     if assembly is None and inputs is None:  # no batch: the Hugging Face models inside
         assembly, run = _traced_parts(model, meta)
     if assembly is not None:
@@ -197,6 +200,7 @@ def find_symmetries(
         dropped=dropped,
         verified=verified,
         discovery=discovery,
+        trace_error=failures[-1] if assembly is None and failures else None,
         idle=[]
         if assembly is None
         else [
@@ -339,9 +343,12 @@ def _call(model: nn.Module, inputs: object) -> object:
     return model(inputs)
 
 
-def _traced(model: nn.Module, run, meta: bool, synthetic: bool, warn: bool):
+def _traced(
+    model: nn.Module, run, meta: bool, synthetic: bool, warn: bool, failures: list | None = None
+):
     """The pairs found by tracing ``run()``; ``None`` (with a warning) when the trace
-    fails although the forward pass itself works."""
+    fails although the forward pass itself works, the error's first line appended to
+    ``failures``."""
     try:
         with _quiet(), torch.no_grad(), _eval(model):
             if meta:
@@ -351,6 +358,8 @@ def _traced(model: nn.Module, run, meta: bool, synthetic: bool, warn: bool):
                 with tracer.running():
                     run()
     except Exception as err:
+        if failures is not None:
+            failures.append(f"{type(err).__name__}: {err}".splitlines()[0])
         if meta or synthetic:
             reason = "the forward pass on " + ("the meta device" if meta else "random inputs")
             if warn:

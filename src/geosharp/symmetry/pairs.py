@@ -336,7 +336,8 @@ class Symmetries:
     parameters are measured element-wise: safe, but not symmetry-correct).
     ``verified``: per pair name, its numerical check (:class:`Verification`); empty
     when discovery had no input to run (``discovery="structure"``) or no weights (a
-    model on the ``meta`` device).
+    model on the ``meta`` device). ``trace_error``: why the forward pass could not be
+    traced (the error's first line; ``None`` where it was, or none was run).
     """
 
     pairs: list[PairSpec]
@@ -346,6 +347,7 @@ class Symmetries:
     dropped: list[Dropped] = field(default_factory=list)
     verified: dict[str, Verification] = field(default_factory=dict)
     discovery: str = "structure"
+    trace_error: str | None = None
     idle: list[str] = field(default_factory=list)
     """Parameters the traced forward pass did not use (a decoder's cross-attention
     without encoder states, an unused head): they take no part in that batch's loss, and
