@@ -15,7 +15,11 @@ other 190 stayed bit for bit. Regenerated again after the rest of issue 35's cha
 the step's arithmetic (the direction and the momentum combination written in place):
 43 values had moved in their last digits (25 float64 ones by at most 2.6e-14 relative,
 18 float32 ones by at most 8.4e-6), the other 269 bit for bit; keeping the best point as
-the iterate itself (no copy) then changed none of the 312.
+the iterate itself (no copy) then changed none of the 312. The element-wise step done run
+by run (its dot products summed per run of up to 2^20 entries, the scale applied as
+``c kd`` and the point written in the same pass) moved 58 in their last digits (30
+float64 ones by at most 2.8e-14 relative, 28 float32 ones by at most 9.4e-6); the other
+254 stayed bit for bit.
 
 Covers the float64 and float32 zoo models (``tests/zoo.py``), eight geometries, two
 radii, one and two Auto-PGD starts and the average case (288 values, about a minute),

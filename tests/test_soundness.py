@@ -122,6 +122,27 @@ def test_a_declared_non_symmetry_is_refuted_through_masked_logits():
     assert_unchanged(model, before)
 
 
+def test_a_pair_another_process_could_not_verify_is_dropped_everywhere():
+    """``verify_symmetries(agree=...)`` (a sharded model's verdicts, agreed over
+    processes): a pair verified here but not on another process is dropped, with that
+    reason; verdicts that agree keep every pair verified."""
+    model, x = build(next(c for c in CASES if c.name == "plain"))
+    found = find_symmetries(model, x, loss_fn=loss_fn)
+    assert len(found.pairs) == 2 and found.complete
+    bare = Symmetries(found.pairs, found.parameters)  # nothing verified yet
+    elsewhere = torch.tensor([0.0, 1.0])  # the second pair failed on another process
+
+    def agree(failed):
+        return torch.maximum(failed, elsewhere)
+
+    one = verify_symmetries(model, bare, x, loss_fn=loss_fn, agree=agree)
+    first, second = (p.name for p in found.pairs)
+    assert [p.name for p in one.pairs] == [first] and list(one.verified) == [first]
+    assert any("failed on another process" in d.reason for d in one.dropped)
+    both = verify_symmetries(model, bare, x, loss_fn=loss_fn, agree=lambda failed: failed)
+    assert [p.name for p in both.pairs] == [first, second] and both.complete
+
+
 def test_the_tolerance_follows_the_precision_and_the_control_must_move():
     """A pair the output does not depend on is not called verified: its control does
     not move."""
