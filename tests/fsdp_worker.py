@@ -5,6 +5,7 @@ the values and the model check to ``argv[1]`` as JSON."""
 import copy
 import json
 import sys
+import warnings
 
 import torch
 
@@ -189,7 +190,32 @@ def hand_written():
         out["no symmetries"] = None
     except geosharp.UsageError as e:
         out["no symmetries"] = str(e)
+    model = plain = None
+    out["tied"] = tied_across_layers(kw)
     return out
+
+
+def tied_across_layers(kw):
+    """The query weight of two layers tied (FSDP2 takes tied layers as one group): the
+    second layer's pairs' unit holds both layers, FSDP modules, so its value-output pair
+    is used unchecked; the query-key pairs are left out. ``[one process, sharded,
+    unverified, the measure's warnings]``."""
+    from torch.distributed.fsdp import fully_shard
+
+    import attention_zoo as zoo
+
+    model, x = zoo.build(next(c for c in zoo.CASES if c.name == "plain"))
+    model.blocks.append(zoo.Plain().to(torch.float64).eval())
+    model.blocks[1].q.weight = model.blocks[0].q.weight
+    plain = copy.deepcopy(model)
+    fully_shard(list(model.blocks))
+    fully_shard(model)
+    one = alone(plain, [x], zoo.loss_fn, "geodesic-inv", **kw)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        many = geosharp.sharpness(model, [x], zoo.loss_fn, "geodesic-inv", **kw)
+    said = [str(w.message) for w in said if w.category is geosharp.SymmetryWarning]
+    return [one, many.value, many.symmetry["unverified"], said]
 
 
 def default_plan(model):

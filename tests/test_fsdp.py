@@ -114,10 +114,11 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     Face model) with its heads cut over the processes, passed no symmetries: pairs traced
     on its structure on the meta device and verified on the sharded model, the
     one-process value; a loss that needs values cannot be traced there, and the error
-    says to find the pairs before sharding. Adaptive needs no pairs.
-    bfloat16 shards: a tied
-    embedding gets the one-process value, a loss that raises leaves the model as it was,
-    a perturbed parameter of a module with submodules is refused. The same default plan on
+    says to find the pairs before sharding; a query weight tied across two layers (one
+    FSDP group) leaves the second layer's pair unchecked, and the measure's one warning
+    names it. Adaptive needs no pairs. bfloat16 shards: a tied embedding gets the
+    one-process value, a loss that raises leaves the model as it was, a perturbed
+    parameter of a module with submodules is refused. The same default plan on
     a 4-head BERT keeps whole rows and gets the one-process value, also with the pairs
     found on its structure (the same pairs as found on the unsharded model)."""
     messages = runs[4]["results"]["errors"]
@@ -126,6 +127,12 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     one, many, n_before, n_found, verified = messages["hand-written"]
     assert n_before == n_found == verified == 4
     assert abs(many - one) <= 1e-8 * abs(one)
+    # a weight tied across layers: the unit of the second layer's pairs holds FSDP
+    # modules, so its pair is used unchecked, and the measure says so
+    one, many, unverified, said = messages["tied"]
+    assert abs(many - one) <= 1e-8 * abs(one) and unverified == ["blocks:value-output"]
+    assert len(said) == 1, said
+    assert "used without a numerical check on the model (blocks:value-output)" in said[0]
     one, many, restored = messages["written into the shards"]
     assert abs(many - one) <= 1e-8 * abs(one) and restored
     assert messages["adaptive needs no pairs"] > 0

@@ -16,6 +16,7 @@ import torch
 import geosharp
 from attention_zoo import CASES, Plain, Stack, build, loss_fn
 from geosharp.symmetry import (
+    Dropped,
     Symmetries,
     check_symmetries,
     declare_pair,
@@ -141,6 +142,28 @@ def test_a_pair_another_process_could_not_verify_is_dropped_everywhere():
     assert any("failed on another process" in d.reason for d in one.dropped)
     both = verify_symmetries(model, bare, x, loss_fn=loss_fn, agree=lambda failed: failed)
     assert [p.name for p in both.pairs] == [first, second] and both.complete
+
+
+def test_one_warning_names_an_ignored_module_and_an_unchecked_pair():
+    """A measure whose symmetries both leave a module element-wise (not understood) and
+    use a pair that no numerical check confirmed says both in one warning, and
+    ``strict=True`` refuses with both."""
+    model, x = build(next(c for c in CASES if c.name == "plain"))
+    found = find_symmetries(model, x, loss_fn=loss_fn)
+    first, second = found.pairs
+    sym = Symmetries(
+        [second], found.parameters, verified={},
+        dropped=[Dropped(first.module, first.kind, "a layout not understood", exact=False)],
+    )  # fmt: skip
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=1), symmetries=sym)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        geosharp.sharpness(model, [x], loss_fn, "geodesic-inv", **kw)
+    (message,) = [str(w.message) for w in said if w.category is geosharp.SymmetryWarning]
+    assert "1 module measured element-wise" in message, message
+    assert f"1 pair block used without a numerical check on the model ({second.name})" in message
+    with pytest.raises(ValueError, match=r"element-wise.*without a numerical check"):
+        geosharp.sharpness(model, [x], loss_fn, "geodesic-inv", strict=True, **kw)
 
 
 def test_the_tolerance_follows_the_precision_and_the_control_must_move():
