@@ -147,7 +147,8 @@ def test_a_pair_another_process_could_not_verify_is_dropped_everywhere():
 def test_one_warning_names_an_ignored_module_and_an_unchecked_pair():
     """A measure whose symmetries both leave a module element-wise (not understood) and
     use a pair that no numerical check confirmed says both in one warning, and
-    ``strict=True`` refuses with both."""
+    ``strict=True`` refuses with both; the command line's status line names an unchecked
+    pair too (``--strict``: a one-line error, exit 2)."""
     model, x = build(next(c for c in CASES if c.name == "plain"))
     found = find_symmetries(model, x, loss_fn=loss_fn)
     first, second = found.pairs
@@ -164,6 +165,20 @@ def test_one_warning_names_an_ignored_module_and_an_unchecked_pair():
     assert f"1 pair block used without a numerical check on the model ({second.name})" in message
     with pytest.raises(ValueError, match=r"element-wise.*without a numerical check"):
         geosharp.sharpness(model, [x], loss_fn, "geodesic-inv", strict=True, **kw)
+    # the command line's status line: a warning, and with --strict a one-line error
+    from geosharp.commands import _say_symmetry_status
+
+    lines = []
+    unchecked = Symmetries([second], found.parameters)
+    _say_symmetry_status(unchecked, ["geodesic-inv"], False, lines.append)
+    assert lines == [
+        "warning: 1 pair block would be used without a numerical check on the model "
+        f"({second.name}); see geosharp symmetries MODEL"
+    ]
+    with pytest.raises(geosharp.UsageError, match="without a numerical check"):
+        _say_symmetry_status(unchecked, ["geodesic-inv"], True, lines.append)
+    _say_symmetry_status(unchecked, [], True, lines.append)  # no geodesic measure: silent
+    assert len(lines) == 1
 
 
 def test_the_tolerance_follows_the_precision_and_the_control_must_move():

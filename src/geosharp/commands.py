@@ -142,7 +142,8 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "--strict",
         action="store_true",
         help="stop (exit 2) when attention modules would be measured element-wise because "
-        "their symmetry is not understood, instead of marking the geodesic values",
+        "their symmetry is not understood, or pairs used without a numerical check, "
+        "instead of marking the geodesic values",
     )
 
 
@@ -325,7 +326,7 @@ def _announce(args, plan: _Plan, job, say) -> None:
 
     sym = job.symmetries
     geodesic = [n for n in plan.names if measure_uses_pairs(n)]
-    if args.strict and geodesic and sym.ignored:
+    if args.strict and geodesic and (sym.ignored or sym.unverified):
         _say_symmetry_status(sym, geodesic, True, say)  # raises, before anything
     if job.new_parameters:
         head = "LM" if job.task == CAUSAL_LM else "classification"
@@ -593,7 +594,8 @@ def symmetry_payload(symmetries) -> dict:
 
 def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> None:
     """One line for the pairs that do not exist (exact), one for the symmetries that are
-    ignored (or, with --strict and a geodesic measure, an error)."""
+    ignored and the pair blocks used without a numerical check (or, with --strict and a
+    geodesic measure, an error)."""
     absent = [d for d in symmetries.dropped if d.exact]
     if absent:
         modules = len({d.module for d in absent})
@@ -603,19 +605,27 @@ def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> 
             f"{'s' * (modules != 1)} are not symmetries ({absent[0].reason}) and are measured "
             "element-wise, as they should be"
         )
-    ignored = symmetries.ignored
-    if not ignored or not geodesic:
+    ignored, unverified = symmetries.ignored, symmetries.unverified
+    if not (ignored or unverified) or not geodesic:
         return
-    first, drops = next(iter(ignored.items()))
     marked = (
         "without --strict the geodesic values would be" if strict else "the geodesic values are"
     )
-    message = (
-        f"{len(ignored)} attention module{'s' * (len(ignored) != 1)} would be measured "
-        f"element-wise because their symmetry is not understood ({first}: {drops[0].kind}: "
-        f"{drops[0].reason}); {marked} marked '(partial)' or '(no pairs)'; "
-        "see geosharp symmetries MODEL"
-    )
+    parts = []
+    if ignored:
+        first, drops = next(iter(ignored.items()))
+        parts.append(
+            f"{len(ignored)} attention module{'s' * (len(ignored) != 1)} would be measured "
+            f"element-wise because their symmetry is not understood ({first}: "
+            f"{drops[0].kind}: {drops[0].reason}); {marked} marked '(partial)' or "
+            "'(no pairs)'"
+        )
+    if unverified:
+        parts.append(
+            f"{len(unverified)} pair block{'s' * (len(unverified) != 1)} would be used "
+            f"without a numerical check on the model ({unverified[0]})"
+        )
+    message = "; ".join(parts) + "; see geosharp symmetries MODEL"
     if strict:
         raise UsageError(message)
     say("warning: " + message)
