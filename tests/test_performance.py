@@ -271,7 +271,7 @@ def test_inplace_methods_match(encoder, name, metric, eps, step):
 def test_scaling_outside_pairs_keeps_the_claimed_entries(frozen):
     """``c x`` on the entries no pair ball claims (zero where ``c = 0``), the claimed
     ones untouched, and the sum of squares over the former: with parameters wholly,
-    partly and not claimed."""
+    partly and not claimed, and with no parameter free of claims."""
     from geosharp.geometry.elementwise import ElementwiseSpace
 
     gen = torch.Generator().manual_seed(0)
@@ -289,11 +289,20 @@ def test_scaling_outside_pairs_keeps_the_claimed_entries(frozen):
     c = layout.flatten(params).abs()
     c[c <= torch.finfo(F64).tiny ** 0.5] = 0.0
     expected = torch.where(mine, x, c * x)
-    sq = space.scale_outside_pairs_(out := x.clone())
+    sq, _ = space.direction_(out := x.clone())
     assert torch.equal(out, expected)
     assert math.isclose(float(sq), float((expected[~mine] ** 2).sum()), rel_tol=1e-14)
     kinds = [run.kind for run in space.runs]
     assert kinds == ["claimed", "free", "mixed"] and space.runs[1].frozen == frozen
+    # no free run at all: the mixed one alone
+    alone = ElementwiseSpace(
+        Geometry.named("adaptive").elementwise, {"c": params["c"]},
+        ParameterLayout.from_named([("c", params["c"])]), {"c": partial},
+    )  # fmt: skip
+    sq, _ = alone.direction_(out := x[36:].clone())
+    assert [run.kind for run in alone.runs] == ["mixed"]
+    assert torch.equal(out, expected[36:])
+    assert math.isclose(float(sq), float((expected[36:][~partial] ** 2).sum()), rel_tol=1e-14)
 
 
 def _tensors(obj, seen=None):

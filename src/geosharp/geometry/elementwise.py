@@ -150,16 +150,15 @@ class ElementwiseSpace:
         claimed run, 1 on a free run of the Euclidean scale)."""
         if run.kind == "claimed" or (run.kind == "free" and self._unit):
             return None
-        n = run.end - run.start
+        if run.kind == "mixed":
+            ((theta, pairs, frozen),) = run.pieces
+            return self._scale_piece(theta, pairs, frozen, claimed)
         if self._scratch is None:
             longest = max(r.end - r.start for r in self.runs if r.kind == "free")
             self._scratch = torch.empty(longest, dtype=self.dtype, device=self.device)
-        if run.kind == "free":
-            pieces = [theta for theta, _, _ in run.pieces]
-            c = torch.cat(pieces, out=self._scratch[:n]).abs_()
-            return torch.threshold_(c, self._tiny, 0.0) if run.frozen else c
-        ((theta, pairs, frozen),) = run.pieces
-        return self._scale_piece(theta, pairs, frozen, claimed)
+        pieces = [theta for theta, _, _ in run.pieces]
+        c = torch.cat(pieces, out=self._scratch[: run.end - run.start]).abs_()
+        return torch.threshold_(c, self._tiny, 0.0) if run.frozen else c
 
     def refresh(self) -> None:
         """Recompute the frozen entries and a cached scale from the current ``theta``."""
@@ -232,17 +231,11 @@ class ElementwiseSpace:
                     x[s:e].mul_(c)
         return x
 
-    def scale_outside_pairs_(self, x: Tensor, total: bool = True) -> Tensor | None:
-        """``x <- c x`` on the entries a pair ball does not claim (zero where ``c = 0``
-        there), the claimed ones kept; with ``total``, ``sum x^2`` over the former after
-        it (0-d, float64, this process's entries)."""
-        sq, _ = self.direction_(x)
-        return sq if total else None
-
     def direction_(self, x: Tensor, others: Sequence[Tensor] = ()) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`scale_outside_pairs_` with its sum of squares, and ``<y, x>`` over every
-        entry, before the scaling, for each ``y`` of ``others``: one pass, run by run
-        (0-d float64 sums of this process's entries)."""
+        """``x <- c x`` on the entries a pair ball does not claim (zero where ``c = 0``
+        there), the claimed ones kept. Returns ``sum x^2`` over the former after it, and
+        ``<y, x>`` over every entry before it for each ``y`` of ``others``: one pass, run
+        by run (0-d float64 sums of this process's entries)."""
         partial = torch.zeros((len(self.runs), 1 + len(others)), dtype=x.dtype, device=x.device)
         for i, run in enumerate(self.runs):
             piece, row = x[run.start : run.end], partial[i]
