@@ -1,6 +1,7 @@
 """LLaMA-shaped models in bfloat16 measured attention-only on one GPU: peak memory in
 float32 vectors of the perturbed parameters beyond a training step, and time per
-evaluation against one forward+backward.
+evaluation against one forward+backward, with the loop's own work (between two
+evaluations) apart.
 
     python benchmarks/bench_llama_gpu.py --shape 1.1b --shape 7b --json out.json
 
@@ -37,7 +38,7 @@ from bench_llama_bf16 import SHAPES, build, check_perturbed
 
 def rows(
     shape: str, batch: int, tokens: int, checkpointed: bool, out: list, path: str | None,
-    device: str = "cuda",
+    device: str = "cuda", peaks: bool = False,
 ):  # fmt: skip
     import torch
 
@@ -69,6 +70,8 @@ def rows(
         "tokens": tokens,
     }
     modes = ["step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"]
+    if peaks:  # what is allocated at each measure's peak (recording slows it: no times)
+        modes = ["step", "adaptive-attn", "geodesic-inv-attn"]
     if checkpointed:
         modes.append("geodesic-inv-attn+checkpointing")
     step_peak = None
@@ -87,20 +90,27 @@ def rows(
             measure = mode.split("+")[0]
             if mode.endswith("+checkpointing"):
                 model.gradient_checkpointing_enable()
-            stamps = []
+            stamps, starts = [], []
 
-            def callback(event, i, iterate, stamps=stamps):
-                if event == "evaluated":
+            def callback(event, i, iterate, stamps=stamps, starts=starts):
+                if event == "evaluate":
+                    starts.append(stamp())
+                elif event == "evaluated":
                     stamps.append(stamp())
 
+            if peaks and gpu:
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             start = stamp()
             result = geosharp.sharpness(
                 model, [ids], loss, measure, None, geosharp.WorstCase(n_iters=3),
                 callback=callback,
             )  # fmt: skip
             gaps = [b - a for a, b in itertools.pairwise(stamps)]
+            own = [b - a for a, b in zip(stamps, starts[1:])]
             row.update(
                 seconds=statistics.median(gaps),
+                seconds_evaluation=statistics.median(b - a for a, b in zip(starts, stamps)),
+                seconds_own_work=statistics.median(own),
                 evaluations=len(stamps),
                 seconds_total=stamp() - start,
                 seconds_before_first_evaluation=stamps[0] - start,
@@ -110,6 +120,12 @@ def rows(
                 checkpointing=result.settings.get("checkpointing"),
             )
             check_perturbed(result, perturbed)
+            if peaks and gpu:
+                trace = torch.cuda.memory._snapshot()["device_traces"][memory.current_device()]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                row["peak_breakdown"] = peak_breakdown(trace, 4 * perturbed)
+                for where, vectors in row["peak_breakdown"]:
+                    print(f"  {vectors:6.2f} vectors  {where}", flush=True)
             if mode.endswith("+checkpointing"):
                 model.gradient_checkpointing_disable()
         peak = memory.max_memory_allocated() - loaded if gpu else 0
@@ -130,6 +146,36 @@ def rows(
     del model
     if gpu:
         memory.empty_cache()
+
+
+def peak_breakdown(trace: list[dict], vector: int, top: int = 14) -> list:
+    """The allocations live at the highest point of a CUDA allocator trace (allocated
+    while it recorded), grouped by the innermost geosharp (else transformers, else
+    torch) frame that made them, in ``vector``-sized units, largest first."""
+    live: dict[int, dict] = {}
+    total, highest, at_peak = 0, -1, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > highest:
+                highest, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    groups: dict[str, int] = {}
+    for event in at_peak.values():
+        frames = event.get("frames", [])
+        frame = next(
+            (f for key in ("geosharp", "transformers", "torch") for f in frames
+             if f"/{key}/" in f["filename"]), None,
+        )  # fmt: skip
+        where = "?" if frame is None else (
+            f"{frame['filename'].rsplit('/', 2)[-2]}/{frame['filename'].rsplit('/', 1)[-1]}"
+            f":{frame['line']} {frame['name']}"
+        )  # fmt: skip
+        groups[where] = groups.get(where, 0) + event["size"]
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    return [[w, b / vector] for w, b in ranked[:top]] + [["total", highest / vector]]
 
 
 def _step_seconds(model, attention, ids, loss, stamp, float32: bool) -> float:
@@ -167,15 +213,18 @@ def report(results: list[dict]) -> str:
     and gradients are not a measure's vectors)."""
     lines = [
         "| shape | run | loaded (GiB) | peak growth (GiB) | peak allocated (GiB) | float32 "
-        "vectors of the perturbed beyond the step | time per evaluation | x forward+backward |",
-        "|---|---|---|---|---|---|---|---|",
+        "vectors of the perturbed beyond the step | time per evaluation | loop's own work | "
+        "x forward+backward |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         vectors = "" if r["mode"] == "step-float32-attention" else f"{r['buffers_beyond_step']:.2f}"
+        own = f"{r['seconds_own_work'] * 1e3:.0f} ms" if "seconds_own_work" in r else ""
         lines.append(
             f"| {r['shape'].upper()} | {r['mode']} | {r['loaded_gib']:.1f} | "
             f"{r['peak_growth_gib']:.1f} | {r['loaded_gib'] + r['peak_growth_gib']:.1f} | "
-            f"{vectors} | {r['seconds'] * 1e3:.0f} ms | {r['step_over_forward_backward']:.2f} |"
+            f"{vectors} | {r['seconds'] * 1e3:.0f} ms | {own} | "
+            f"{r['step_over_forward_backward']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -187,6 +236,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--checkpointed", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--peaks", action="store_true",
+        help="instead of timing: what is allocated at each measure's peak, by source line",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run
     parser.add_argument(
         "--report", nargs="+", default=None, help="print the table of results files"
@@ -206,7 +259,10 @@ def main() -> None:
     warnings.simplefilter("ignore")
     out: list[dict] = []
     for shape in args.shape or ["1.1b"]:
-        rows(shape, args.batch, args.tokens, args.checkpointed, out, args.json, args.device)
+        rows(
+            shape, args.batch, args.tokens, args.checkpointed, out, args.json, args.device,
+            args.peaks,
+        )  # fmt: skip
     print(report(out))
 
 

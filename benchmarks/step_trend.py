@@ -15,7 +15,8 @@ and their ratio (the step through ``sharpness(..., callback=...)``); and the ste
 ratio ``(forward+backward + loop) / forward+backward`` with the loop's own work timed
 inside the call (from the end of one evaluation to the start of the next), which the
 whole step's timing noise (a forward+backward moves by several percent between calls)
-does not reach.
+does not reach. ``--device cuda`` runs the same on a GPU, every timestamp taken after
+``torch.cuda.synchronize``.
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ def _model():
     return tf.BertForSequenceClassification(config).eval(), config
 
 
-def measure_batch(model, config, batch: int, tokens: int, measures, n_iters: int, repeats: int):
+def measure_batch(
+    model, config, batch: int, tokens: int, measures, n_iters: int, repeats: int, device="cpu"
+):  # fmt: skip
     import torch
 
     import geosharp
 
+    def now() -> float:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     gen = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=gen)
-    data = [{"input_ids": ids, "labels": torch.zeros(batch, dtype=torch.long)}]
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=gen).to(device)
+    labels = torch.zeros(batch, dtype=torch.long, device=device)
+    data = [{"input_ids": ids, "labels": labels}]
 
     def loss(m, b):
         return m(**b).loss
@@ -51,9 +60,9 @@ def measure_batch(model, config, batch: int, tokens: int, measures, n_iters: int
     symmetries = geosharp.find_symmetries(model, data[0], loss_fn=loss)
     plain, steps, loops = [], {m: [] for m in measures}, {m: [] for m in measures}
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         loss(model, data[0]).backward()
-        plain.append(time.perf_counter() - start)
+        plain.append(now() - start)
         model.zero_grad(set_to_none=True)
         for measure in measures:
             done: list[float] = []
@@ -61,9 +70,9 @@ def measure_batch(model, config, batch: int, tokens: int, measures, n_iters: int
 
             def callback(event, i, iterate, done=done, begun=begun):
                 if event == "evaluated":
-                    done.append(time.perf_counter())
+                    done.append(now())
                 elif event == "evaluate" and done:
-                    begun.append(time.perf_counter())
+                    begun.append(now())
 
             geosharp.sharpness(
                 model, data, loss, measure, None, geosharp.WorstCase(n_iters),
@@ -90,14 +99,17 @@ def main() -> None:
     parser.add_argument("--n-iters", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.device == "cpu":
+        torch.set_num_threads(2)
     model, config = _model()
+    model.to(args.device)
     rows = []
     for batch in args.batches:
         for r in measure_batch(
             model, config, batch, args.tokens, ("adaptive", "geodesic-inv"),
-            args.n_iters, args.repeats,
+            args.n_iters, args.repeats, args.device,
         ):  # fmt: skip
             rows.append(r)
             print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -111,3 +112,82 @@ def test_hessian_trace_of_a_bfloat16_model_is_that_of_its_float32_copy():
     assert low.value == pytest.approx(ref.value, rel=1e-6)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    net = net.to(torch.bfloat16)
+    for owner in (net[0], net[2]):
+        owner.float()
+    return net, (net[0], net[2])
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_half_input_is_saved_for_backward_as_itself_not_as_its_float32_copy(
+    monkeypatch, checkpointed
+):
+    """A module computing in float32 beside a bfloat16 model gets float32 copies of its
+    inputs; backward needs them (a weight's gradient), and they were kept from forward
+    to backward: at 2048 tokens, 1.78 vectors of a 1.1B LLaMA's attention on a GPU. They
+    are saved as the bfloat16 inputs, cast up again in backward: freed after the
+    forward, the gradients bit for bit the same (also under activation checkpointing,
+    whose saved-tensor hooks act first)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from geosharp import params
+
+    # (batch, tokens, features): a linear layer saves its input as a two-dimensional view
+    x = torch.randn(2, 5, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        net, owners = _two_layers()
+        copies = []
+        with params.computing_in_float32(owners, torch.bfloat16):
+            for owner in owners:  # after the cast: sees the float32 copies
+                owner.register_forward_pre_hook(lambda m, a: copies.append(weakref.ref(a[0])))
+            out = checkpoint(net, x, use_reentrant=False) if checkpointed else net(x)
+            alive = [c() is not None for c in copies]
+            out.float().square().sum().backward()
+        assert [c().dtype for c in copies if c() is not None] == []  # after backward
+        return alive, [p.grad for p in net.parameters()]
+
+    alive, grads = run()
+    monkeypatch.setattr(params._UpCasts, "_top", None)  # keep the float32 copies
+    kept, reference = run()
+    assert alive == [False, False]
+    assert kept == [False, False] if checkpointed else kept == [True, True]
+    assert all(torch.equal(g, r) for g, r in zip(grads, reference))
+
+
+def test_a_half_input_changed_in_place_after_its_module_ran_is_refused():
+    """A half input saved as itself is read again in backward: changed in place in
+    between, it would give a wrong weight gradient; that is an error, never silent."""
+    from geosharp import params
+
+    net, owners = _two_layers()
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    with params.computing_in_float32(owners[:1], torch.bfloat16):
+        out = net[0](x)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="changed in place after"):
+            out.float().sum().backward()
+
+
+def test_a_float32_copy_changed_in_place_inside_its_module_is_refused():
+    """The same where the module changes its own (float32) input after saving it."""
+    from geosharp import params
+
+    class Scales(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            x.mul_(2)  # the float32 copy, saved by the linear map above
+            return y
+
+    torch.manual_seed(0)
+    owner = Scales(8, 3).to(torch.bfloat16).float()
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    with params.computing_in_float32([owner], torch.bfloat16):
+        out = owner(x)
+        with pytest.raises(RuntimeError, match="changed in place after"):
+            out.float().sum().backward()

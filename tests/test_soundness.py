@@ -172,8 +172,8 @@ def test_one_warning_names_an_ignored_module_and_an_unchecked_pair():
     unchecked = Symmetries([second], found.parameters)
     _say_symmetry_status(unchecked, ["geodesic-inv"], False, lines.append)
     assert lines == [
-        "warning: 1 pair block would be used without a numerical check on the model "
-        f"({second.name}); see geosharp symmetries MODEL"
+        "warning: geodesic measures: 1 pair block used without a numerical check on the "
+        f"model ({second.name}); see geosharp symmetries MODEL"
     ]
     with pytest.raises(geosharp.UsageError, match="without a numerical check"):
         _say_symmetry_status(unchecked, ["geodesic-inv"], True, lines.append)

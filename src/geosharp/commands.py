@@ -605,27 +605,13 @@ def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> 
             f"{'s' * (modules != 1)} are not symmetries ({absent[0].reason}) and are measured "
             "element-wise, as they should be"
         )
-    ignored, unverified = symmetries.ignored, symmetries.unverified
-    if not (ignored or unverified) or not geodesic:
+    parts = symmetries.gaps()
+    if not parts or not geodesic:
         return
-    marked = (
-        "without --strict the geodesic values would be" if strict else "the geodesic values are"
-    )
-    parts = []
-    if ignored:
-        first, drops = next(iter(ignored.items()))
-        parts.append(
-            f"{len(ignored)} attention module{'s' * (len(ignored) != 1)} would be measured "
-            f"element-wise because their symmetry is not understood ({first}: "
-            f"{drops[0].kind}: {drops[0].reason}); {marked} marked '(partial)' or "
-            "'(no pairs)'"
-        )
-    if unverified:
-        parts.append(
-            f"{len(unverified)} pair block{'s' * (len(unverified) != 1)} would be used "
-            f"without a numerical check on the model ({unverified[0]})"
-        )
-    message = "; ".join(parts) + "; see geosharp symmetries MODEL"
+    if symmetries.ignored:
+        marked = "without --strict the values would be" if strict else "the values are"
+        parts.append(f"{marked} marked '(partial)' or '(no pairs)'")
+    message = "geodesic measures: " + "; ".join(parts) + "; see geosharp symmetries MODEL"
     if strict:
         raise UsageError(message)
     say("warning: " + message)

@@ -12,6 +12,7 @@ module: the others keep the swapped tensors.)
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -315,12 +316,16 @@ def computing_in_float32(
 ) -> Iterator[None]:
     """Inside, each of ``modules`` computes in float32 beside a model in ``half``: its
     floating inputs in ``half`` are cast up before its forward, its float32 outputs cast
-    back after (``half=None``: nothing is cast). ``before(module)`` and
-    ``after(module)``, if given, run there too. The hooks are removed on exit, also on
-    error."""
+    back after (``half=None``: nothing is cast). An input's float32 copy that backward
+    needs is saved as the ``half`` tensor it came from and cast up again there (exact:
+    every ``half`` value is a float32 value), not kept in float32 from forward to
+    backward. ``before(module)`` and ``after(module)``, if given, run there too. The
+    hooks are removed on exit, also on error."""
+    copies = _UpCasts()
+    pushed: list[object] = []
 
     def up(x):
-        return x.float() if isinstance(x, Tensor) and x.dtype == half else x
+        return copies.up(x) if isinstance(x, Tensor) and x.dtype == half else x
 
     def down(x):
         return x.to(half) if isinstance(x, Tensor) and x.dtype == torch.float32 else x
@@ -328,9 +333,14 @@ def computing_in_float32(
     def pre(module, args, kwargs):
         if before is not None:
             before(module)
-        return (tree_map(up, args), tree_map(up, kwargs)) if half is not None else None
+        if half is None:
+            return None
+        pushed.append(copies.push())
+        return tree_map(up, args), tree_map(up, kwargs)
 
     def post(module, _args, output):
+        if half is not None:
+            copies.pop(pushed.pop())
         if after is not None:
             after(module)
         return tree_map(down, output) if half is not None else None
@@ -339,11 +349,100 @@ def computing_in_float32(
     try:
         for module in modules:
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post))
+            # also where the forward raises (activation checkpointing stops a recompute
+            # by raising): the saved-tensor hooks pushed before it are popped in order
+            handles.append(module.register_forward_hook(post, always_call=True))
         yield
     finally:
+        while pushed:  # a forward that raised where its hooks could not run
+            copies.pop(pushed.pop())
         for handle in handles:
             handle.remove()
+
+
+class _Half:
+    """A float32 copy of ``half`` (or a view of it) saved for backward as ``half``
+    itself and the view's geometry."""
+
+    __slots__ = ("copy_version", "half", "offset", "size", "stale", "stride", "version")
+
+    def __init__(self, half: Tensor, view: Tensor):
+        self.half, self.version, self.copy_version = half, half._version, view._version
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+        self.stale = False  # the copy was changed in place after it was saved
+
+    def unpack(self) -> Tensor:
+        if self.stale or self.half._version != self.version:
+            raise RuntimeError(
+                "a half-precision input of a module computing in float32, or its float32 "
+                "copy, was changed in place after it was saved for the gradient: change it "
+                "out of place, or measure a float32 model"
+            )
+        return self.half.float().as_strided(self.size, self.stride, self.offset)
+
+
+class _UpCasts:
+    """Float32 copies of half-precision inputs, each known by its storage until it is
+    freed, and the saved-tensor hooks that save such a copy, or a view of it (a linear
+    layer saves its input flattened to two dimensions), as its half-precision source.
+    Composed with the hooks in force where a module's forward starts (activation
+    checkpointing's, a sharded measure's): those pack first; a copy they keep as it is
+    is saved as its source instead."""
+
+    _top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    _enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+
+    def __init__(self):
+        self.sources: dict[int, tuple[weakref.ref, Tensor]] = {}
+
+    def up(self, x: Tensor) -> Tensor:
+        y = x.float()
+        key = y.untyped_storage().data_ptr()
+        if key:  # not an empty tensor
+            self.sources[key] = (weakref.ref(y, lambda _, k=key: self.sources.pop(k, None)), x)
+        return y
+
+    def push(self) -> object:
+        """Enter the hooks for one module's forward; returns what :meth:`pop` takes
+        (``None`` where saved-tensor hooks are disabled or their stack cannot be read:
+        copies are then saved as they are)."""
+        if self._top is None or self._enabled is None or not self._enabled():
+            return None
+        outer = self._top(True)
+        sources, saved = self.sources, []
+
+        def pack(t: Tensor):
+            packed = t if outer is None else outer[0](t)
+            if packed is t and t.dtype == torch.float32 and t.device.type != "meta":
+                entry = sources.get(t.untyped_storage().data_ptr())
+                y = None if entry is None else entry[0]()
+                if y is not None and y._version == 0:  # the copy as it was made
+                    half = _Half(entry[1], t)
+                    saved.append((half, t))
+                    return half
+            return packed
+
+        def unpack(packed):
+            if isinstance(packed, _Half):
+                return packed.unpack()
+            return packed if outer is None else outer[1](packed)
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        return hooks, saved
+
+    @staticmethod
+    def pop(pushed: object) -> None:
+        """Leave the hooks of one forward; a copy changed in place after it was saved
+        there makes its saved form refuse to unpack (as autograd refuses a saved tensor
+        changed in place)."""
+        if pushed is None:
+            return
+        hooks, saved = pushed  # type: ignore[misc]
+        hooks.__exit__(None, None, None)
+        for half, view in saved:
+            half.stale = view._version != half.copy_version
+        saved.clear()
 
 
 def plain_copy(module: nn.Module, convert: Callable[[Tensor], Tensor]) -> nn.Module:

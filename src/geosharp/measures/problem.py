@@ -214,24 +214,12 @@ def say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
     """Warn (or, ``strict``, raise) when a geodesic measure would treat attention
     modules element-wise because their symmetry was not understood, or use pair blocks
     that no numerical check on the model confirmed: one message that names both."""
-    ignored, unverified = symmetries.ignored, symmetries.unverified
-    if not ignored and not unverified:
+    parts = symmetries.gaps()
+    if not parts:
         return
-    parts = []
-    if ignored:
-        first, drops = next(iter(ignored.items()))
-        drop = drops[0]
-        reason = drop.reason if drop.kind == "all" else f"{drop.kind}: {drop.reason}"
-        parts.append(
-            f"{len(ignored)} module{'s' * (len(ignored) != 1)} measured "
-            f"element-wise because geosharp does not understand their symmetry "
-            f"({first or '<root>'}: {reason})"
-        )
-    if unverified:
-        parts.append(
-            f"{len(unverified)} pair block{'s' * (len(unverified) != 1)} used without "
-            f"a numerical check on the model ({unverified[0]}): pass symmetries found with a "
-            "batch, find_symmetries(model, batch, loss_fn=...)"
+    if symmetries.unverified:
+        parts[-1] += (
+            ": pass symmetries found with a batch, find_symmetries(model, batch, loss_fn=...)"
         )
     message = f"{label}: " + "; and ".join(parts)
     message += (

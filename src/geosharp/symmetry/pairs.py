@@ -467,6 +467,28 @@ class Symmetries:
         found without a batch to run): they may not be symmetries."""
         return [p.name for p in self.pairs if p.name not in self.verified]
 
+    def gaps(self) -> list[str]:
+        """What keeps a geodesic measure from being symmetry-correct, one phrase each:
+        the modules :attr:`ignored` (the first named, with its reason) and the pair
+        blocks :attr:`unverified` (the first named); empty where :attr:`complete`."""
+        out = []
+        ignored, unverified = self.ignored, self.unverified
+        if ignored:
+            first, drops = next(iter(ignored.items()))
+            drop = drops[0]
+            reason = drop.reason if drop.kind == "all" else f"{drop.kind}: {drop.reason}"
+            out.append(
+                f"{len(ignored)} module{'s' * (len(ignored) != 1)} measured element-wise "
+                f"because geosharp does not understand their symmetry "
+                f"({first or '<root>'}: {reason})"
+            )
+        if unverified:
+            out.append(
+                f"{len(unverified)} pair block{'s' * (len(unverified) != 1)} used without "
+                f"a numerical check on the model ({unverified[0]})"
+            )
+        return out
+
     @property
     def complete(self) -> bool:
         """Whether every symmetry found is used (nothing :attr:`ignored`) and every pair
