@@ -217,6 +217,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
             evaluations=len(stamps),
             seconds_per_step=(stamps[-1] - stamps[0]) / n_iters,
             value=result.value,
+            losses=result.traces[0].losses,
             precision=result.settings["precision"],
             pairs=result.settings["n_pairs"],
         )
@@ -278,6 +279,7 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
         seconds_per_step=(stamps[-1] - stamps[0]) / n_iters,
         peak_growth_mib=_rss_mib() - loaded,
         value=result.value,
+        losses=result.traces[0].losses,  # which steps improved (the best xi's buffer)
         precision=result.settings["precision"],
         pairs=result.settings["n_pairs"],
     )
