@@ -364,3 +364,32 @@ def test_the_gpu_benchmark_runs_dry_and_refuses_a_partial_measure(tmp_path):
     bench.check_perturbed(SimpleNamespace(settings={"n_perturbed": 12, "n_pairs": 2}), 12)
     with pytest.raises(SystemExit, match="perturbed 10 entries, the attention has 12"):
         bench.check_perturbed(partial, 12)
+
+
+def test_the_gpu_benchmarks_peak_breakdown_reads_the_allocations_live_at_the_peak():
+    """``bench_llama_gpu.py --peaks`` groups what is allocated at the highest point of a
+    CUDA allocator trace by the innermost geosharp frame: a block freed before the
+    peak is not counted, one made after it neither."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gpu", root / "benchmarks/bench_llama_gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+
+    def alloc(addr, size, where):
+        frames = [{"filename": f"/x/torch/{where}", "line": 1, "name": "f"},
+                  {"filename": f"/x/geosharp/{where}", "line": 2, "name": "g"}]  # fmt: skip
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    trace = [
+        alloc(1, 8, "early.py"),
+        {"action": "free_completed", "addr": 1},
+        alloc(2, 4, "a.py"),
+        alloc(3, 6, "b.py"),
+        {"action": "free_completed", "addr": 3},
+        alloc(4, 5, "late.py"),
+    ]
+    assert gpu.peak_breakdown(trace, 2) == [
+        ["geosharp/b.py:2 g", 3.0], ["geosharp/a.py:2 g", 2.0], ["total", 5.0]
+    ]  # fmt: skip
