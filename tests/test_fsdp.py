@@ -14,6 +14,7 @@ floor.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -22,6 +23,17 @@ import pytest
 
 from fsdp_worker import plan
 from launch import run_python
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _benchmark(name: str):
+    """The script ``benchmarks/{name}.py`` as a module (its helpers, not its ``main``)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 TOLERANCE = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 1e-4}
@@ -257,12 +269,8 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     """docs/performance.md's tables of the 1.1B bfloat16 LLaMA are
     ``benchmarks/bench_llama_bf16.py --report`` of the committed output, and its GPU
     table ``benchmarks/bench_llama_gpu.py --report``'s."""
-    import importlib.util
-
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("bench", root / "benchmarks/bench_llama_bf16.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_llama_bf16")
     results = root / "docs/results/llama_bf16"
     rows = json.loads((results / "bench.json").read_text())
     sharded, by_rows = (
@@ -308,9 +316,7 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     gpu_rows = [
         r for n in ("gpu_1b", "gpu_7b") for r in json.loads((gpu / f"{n}.json").read_text())
     ]
-    spec = importlib.util.spec_from_file_location("gpu", root / "benchmarks/bench_llama_gpu.py")
-    gpu_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_bench)
+    gpu_bench = _benchmark("bench_llama_gpu")
     assert gpu_bench.report(gpu_rows) in (root / "docs/performance.md").read_text()
     readme = " ".join((root / "README.md").read_text().split())
     assert (
@@ -355,11 +361,7 @@ def test_the_gpu_benchmark_runs_dry_and_refuses_a_partial_measure(tmp_path):
         "step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"
     ]  # fmt: skip
     assert all(r["value"] > 0 for r in rows[2:]) and rows[3]["pairs"] == 4
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench", root / "benchmarks/bench_llama_bf16.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_llama_bf16")
     partial = SimpleNamespace(settings={"n_perturbed": 10, "n_pairs": 1})
     bench.check_perturbed(SimpleNamespace(settings={"n_perturbed": 12, "n_pairs": 2}), 12)
     with pytest.raises(SystemExit, match="perturbed 10 entries, the attention has 12"):
@@ -370,12 +372,7 @@ def test_the_gpu_benchmarks_peak_breakdown_reads_the_allocations_live_at_the_pea
     """``bench_llama_gpu.py --peaks`` groups what is allocated at the highest point of a
     CUDA allocator trace by the innermost geosharp frame: a block freed before the
     peak is not counted, one made after it neither."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("gpu", root / "benchmarks/bench_llama_gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    gpu = _benchmark("bench_llama_gpu")
 
     def alloc(addr, size, where):
         frames = [{"filename": f"/x/torch/{where}", "line": 1, "name": "f"},
