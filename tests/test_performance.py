@@ -80,6 +80,54 @@ def test_strided_access_equals_indexing(case):
     assert torch.equal(torch.cat(got), claimed) and set(masks) < set(layout.names)
 
 
+def test_base_blocks_are_read_through_strided_views(architecture):
+    """The pair states read the base point's blocks where used (``read_params``): one
+    strided view per block, also for rows of several query heads and for key and value
+    heads that grouped-query attention repeats (no position listed); equal to reading
+    them by index, cast in the same copy."""
+    case = architecture.case()
+    layout, theta = flat_setup(case.model)
+    pairs = geosharp.find_symmetries(case.model, case.inputs).pairs
+    params = {n: v.reshape(-1) for n, v in layout.unflatten(theta).items()}
+    for block in stack_pairs(pairs, layout, theta.device):
+        assert all(read is not None for side in "GH" for *_, read in block._pieces[side])
+        for side, index in (("G", block.g_index), ("H", block.h_index)):
+            assert torch.equal(block.read_params(params, side), theta[index])
+            assert torch.equal(block.read_params(params, side, torch.float32), theta[index].float())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_strided_reads_of_random_two_level_blocks(seed):
+    """Heads and rows of two even levels each (a step of 0: repeated), in random sizes:
+    the block's strided read equals reading it by index; an axis of three levels has
+    none."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def axis(count_out, count_in):
+        step_in = int(torch.randint(0, 3, (), generator=gen))
+        step_out = count_in * max(step_in, 1) + int(torch.randint(0, 5, (), generator=gen))
+        return (
+            torch.arange(count_out)[:, None] * step_out + torch.arange(count_in) * step_in
+        ).reshape(-1)
+
+    sizes = [int(v) for v in torch.randint(1, 4, (4,), generator=gen)]
+    heads = 300 * axis(sizes[0], sizes[1])
+    rows, cols = (
+        7 * axis(sizes[2], sizes[3]),
+        torch.arange(int(torch.randint(1, 4, (), generator=gen))),
+    )
+    block = Block.separable("w", heads, rows, cols)
+    flat = torch.randn(int(block.index.max()) + 1, generator=gen, dtype=F64)
+    read = block.strided_read()
+    assert read is not None
+    B, n, h = block.shape
+    out = torch.empty((B, h, n), dtype=torch.float32).transpose(1, 2)  # rows stepping by one
+    assert read(flat, out) and torch.equal(out, flat[block.index].float())
+    assert not read(flat[:-1], out)  # the view would leave a shorter parameter
+    three = torch.tensor([0, 1, 5, 6, 20, 21, 25, 26])  # two levels within an even third
+    assert Block.separable("w", three, torch.arange(2), torch.arange(2)).strided_read() is None
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_strided_segments_random_layouts(seed):
     """Random (partly affine) index blocks: whenever segments are found they describe the
@@ -326,9 +374,9 @@ def _tensors(obj, seen=None):
 
 @pytest.mark.parametrize("name", ["adaptive", "geodesic"])
 def test_space_keeps_no_parameter_sized_vector(name):
-    """Built on the model's own tensors, the space reads them in place: what it holds
-    beyond them is the pair states' blocks (in the parameters' dtype, for the geodesic
-    geometries), their h x h matrices and nothing parameter-sized."""
+    """Built on the model's own tensors, the space reads them in place, the pair states'
+    blocks too (read where used): what it holds beyond them is the states' h x h
+    matrices and nothing parameter-sized."""
     case = encoder_case(dtype=torch.float32)
     named = list(case.model.named_parameters())
     layout = ParameterLayout.from_named(named)
@@ -338,13 +386,21 @@ def test_space_keeps_no_parameter_sized_vector(name):
     )
     own = {p.untyped_storage().data_ptr() for _, p in named}
     held = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        t.untyped_storage().data_ptr(): t
         for t in _tensors(space)
         if t.untyped_storage().data_ptr() not in own
     }
-    pair_bytes = 4 * sum(s.shape[0] * (s.shape[1] + s.shape[2]) * s.shape[3] for s in pairs)
     small = 8 * 10 * sum(s.shape[0] * s.shape[3] ** 2 for s in pairs)  # h x h, float64
-    assert sum(held.values()) <= (pair_bytes + small if name == "geodesic" else 0)
+    assert sum(t.untyped_storage().nbytes() for t in held.values()) <= (
+        small if name == "geodesic" else 0
+    )
+    # no pair's block (heads, n, h): every held tensor is smaller than the smallest
+    stacks = {}  # a stack's h x h matrices: (heads of pairs of one shape, h, h)
+    for s in pairs:
+        stacks[s.shape[1:]] = stacks.get(s.shape[1:], 0) + s.shape[0] * s.shape[3] ** 2
+    squares = max(stacks.values())
+    assert squares < min(s.shape[0] * min(s.shape[1:3]) * s.shape[3] for s in pairs)
+    assert all(t.numel() <= squares for t in held.values())
     assert not any(t.dtype == torch.long for t in _tensors(space))  # no index tensors
     # exact zeros cannot move with the relative scale: the mask of frozen entries
     adaptive = Geometry.named("adaptive")

@@ -128,6 +128,30 @@ def test_hot_path_equals_reference(case):
     assert rel(state.pullback(x, u), expected) < 1e-12
 
 
+def test_a_state_reading_its_blocks_answers_as_one_holding_them(case):
+    """The measures' states read ``(G, H)`` from the base point where used
+    (``read_from_``): they answer as the state that holds them, bit for bit, and do use
+    the reads (a reader of other blocks moves the answers)."""
+    name, group, held, gen = case
+    G, H = held.G, held.H
+
+    def reader(g, h):
+        return lambda side, dtype=None: (g if side == "G" else h).to(dtype or F64).clone()
+
+    lazy = make_state(name, group, G, H).read_from_(reader(G, H))
+    moved = make_state(name, group, G, H).read_from_(reader(2 * G, H))
+    x, u = tangent(G, H, gen), tangent(G, H, gen)
+
+    def answers(state):
+        accel, saved = state.accelerate(x)
+        draw = state.sample(torch.Generator().manual_seed(1))
+        return [*state.proju(x), *state.direction(u), *accel, *state.pullback(x, u, saved), *draw]
+
+    assert lazy._G is None and lazy._H is None
+    assert all(torch.equal(a, b) for a, b in zip(answers(lazy), answers(held), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(answers(moved), answers(held), strict=True))
+
+
 def metric_matrix(metric, G, H) -> torch.Tensor:
     """``M`` with ``g(xi, eta) = xi^T M eta`` at one pair ``(G, H)`` (``(1, n, h)``,
     ``(1, m, h)``), from ``inner`` on basis vectors."""

@@ -89,30 +89,62 @@ class PairMetric(ABC):
 class PairState(ABC):
     """Geometry of a batch of pairs at a fixed base point ``(G, H)``.
 
-    ``G, H`` keep the parameters' dtype (a float32 model's blocks are not held twice);
-    the ``h x h`` matrices ``P, Q, P_inv, Q_inv`` are float64. :attr:`G64` and
-    :attr:`H64` give the blocks in float64 for the reference methods.
+    ``G, H`` keep the parameters' dtype; after :meth:`read_from_` they are not held but
+    read from the base point on each use (the model's own weights: no copy of them
+    lives as long as the state). The ``h x h`` matrices ``P, Q, P_inv, Q_inv`` are
+    float64. :attr:`G64` and :attr:`H64` give the blocks in float64 for the reference
+    methods.
     """
 
-    G: Tensor
-    H: Tensor
+    _G: Tensor | None  # None: read on each use (read_from_)
+    _H: Tensor | None
     P: Tensor
     Q: Tensor
     P_inv: Tensor
     Q_inv: Tensor
     reduce: Reduce | None = field(default=None, kw_only=True, repr=False)
+    _read: Callable[[str, torch.dtype | None], Tensor] | None = field(
+        default=None, kw_only=True, repr=False, compare=False
+    )
 
     def _sum(self, t: Tensor) -> Tensor:
         """``t`` summed over the shards of the rows (identity on a whole pair)."""
         return t if self.reduce is None else self.reduce(t)
 
+    def read_from_(self, read: Callable[[str, torch.dtype | None], Tensor]) -> PairState:
+        """Drop the held blocks: ``read("G" or "H", dtype)`` gives them, new, on each use
+        (``dtype`` ``None``: the parameters' own). Returns the state."""
+        self._G = self._H = None
+        self._read = read
+        return self
+
+    def block(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """The base point's ``"G"`` or ``"H"`` blocks in ``dtype`` (``None``: as held or
+        read); a held block in its own dtype is itself, not a copy."""
+        held = self._G if name == "G" else self._H
+        if held is None:
+            return self._read(name, dtype)
+        return held if dtype is None else held.to(dtype)
+
+    @property
+    def G(self) -> Tensor:
+        return self.block("G")
+
+    @property
+    def H(self) -> Tensor:
+        return self.block("H")
+
+    @property
+    def h(self) -> int:
+        return self.P.shape[-1]
+
     @property
     def G64(self) -> Tensor:
-        return self.G.to(_F64)
+        return self.block("G", _F64)
 
     @property
     def H64(self) -> Tensor:
-        return self.H.to(_F64)
+        return self.block("H", _F64)
 
     def vertical(self, L: Tensor) -> Tangent:
         """The vertical vector ``(G L, -H L^T)``: the orbit direction of ``L``."""
@@ -181,22 +213,21 @@ class PairState(ABC):
     def geodesic(self, xi: Tangent, t: float = 1.0) -> tuple[Tensor, Tensor]:
         """Second-order geodesic ``(G, H) + t xi + t^2/2 (G'', H'')``."""
         aG, aH = self.geodesic_acceleration(xi)
-        G, H = self.G.to(aG.dtype), self.H.to(aH.dtype)
+        G, H = self.block("G", aG.dtype), self.block("H", aH.dtype)
         return G + t * xi[0] + 0.5 * t * t * aG, H + t * xi[1] + 0.5 * t * t * aH
 
     def norm(self, xi: Tangent) -> Tensor:
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def _operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``G, H, P^{-1}, Q^{-1}`` in ``dtype``: the hot path's operands. ``G, H`` in
-        their own dtype are themselves; in another (bfloat16 blocks read in float32) a
-        copy for the call, not kept (it would be a block-sized vector); the ``h x h``
-        matrices are cached."""
+        """``G, H, P^{-1}, Q^{-1}`` in ``dtype``: the hot path's operands. ``G, H`` are
+        read for the call (:meth:`block`), not kept; the ``h x h`` matrices are
+        cached."""
         return tuple(self._cast(n, dtype) for n in ("G", "H", "P_inv", "Q_inv"))  # type: ignore[return-value]
 
     def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
         if name in ("G", "H"):
-            return getattr(self, name).to(dtype)
+            return self.block(name, dtype)
         cache = self.__dict__.setdefault("_casts", {})
         key = (name, dtype)
         if key not in cache:

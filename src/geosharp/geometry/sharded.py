@@ -248,6 +248,11 @@ class ShardedStack(StackedPairs):
                 split.fill_(block, split.receive(mine, self._total))
         return out[0], out[1]
 
+    def base_reader(self, params: dict[str, Tensor]) -> None:
+        """``None``: the state holds its blocks, whose rows cut across processes are
+        moved by collectives (not repeated on every use)."""
+        return None
+
     def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
         """``(positions, values)`` of the held entries of ``blocks``."""
         out = []

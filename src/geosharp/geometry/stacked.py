@@ -15,6 +15,7 @@ geodesic to second order (``geodesic``); :class:`PairSpace` its implementation.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,8 +30,7 @@ from ..layout import (
     row_segments,
     write_strided,
 )
-from ..symmetry.groups import read_block
-from ..symmetry.pairs import PairSpec
+from ..symmetry.pairs import Block, PairSpec, StridedRead
 from .elementwise import dot
 from .pairs import PairMetric, PairState
 from .subgroup import restrict_state
@@ -105,10 +105,64 @@ class StackedPairs:
 
     def gather_params(self, params: dict[str, Tensor]) -> Blocks:
         """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
-        return tuple(  # type: ignore[return-value]
-            _stacked(self.specs, side, lambda b: read_block(params, b))
-            for side in ("g_blocks", "h_blocks")
-        )
+        return self.read_params(params, "G"), self.read_params(params, "H")
+
+    def read_params(
+        self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """Side ``"G"`` or ``"H"`` of the blocks of ``params`` as a new ``(B, n, h)`` or
+        ``(B, m, h)`` tensor in ``dtype`` (``None``: the parameters'), each block copied
+        (and cast) once out of its parameter: through a strided view where it allows.
+        Laid out as the weights hold the blocks: where a head's rows are a linear layer's
+        rows (a query's ``W[k h : (k + 1) h, :]``), ``(B, h, n)`` storage seen transposed,
+        so that the copy reads and writes whole rows."""
+        pieces = self._pieces[side]
+        first = params[pieces[0][0].param]
+        B, n, h = self.shapes[0 if side == "G" else 1]
+        dtype = dtype or first.dtype
+        if self._row_major[side]:
+            out = torch.empty((B, h, n), dtype=dtype, device=first.device).transpose(1, 2)
+        else:
+            out = torch.empty((B, n, h), dtype=dtype, device=first.device)
+        for block, b0, r0, read in pieces:
+            param = params[block.param]
+            into = out[b0 : b0 + block.shape[0], r0 : r0 + block.shape[1]]
+            if read is None or not read(param, into):
+                into.copy_(param.reshape(-1)[block.index.to(param.device)])
+        return out
+
+    @functools.cached_property
+    def _pieces(self) -> dict[str, list[tuple[Block, int, int, StridedRead | None]]]:
+        """Per side, each block with its place ``(b0, r0)`` in the stack and its strided
+        read (:meth:`~geosharp.symmetry.pairs.Block.strided_read`), found once."""
+        out: dict[str, list] = {"G": [], "H": []}
+        for side, attr in (("G", "g_blocks"), ("H", "h_blocks")):
+            b0 = 0
+            for spec in self.specs:
+                r0 = 0
+                for block in getattr(spec, attr):
+                    out[side].append((block, b0, r0, block.strided_read()))
+                    r0 += block.shape[1]
+                b0 += spec.shape[0]
+        return out
+
+    @functools.cached_property
+    def _row_major(self) -> dict[str, bool]:
+        """Per side, whether most of its entries lie in blocks whose rows step by one
+        (a head's columns are rows of the weight): :meth:`read_params`' layout."""
+        out = {}
+        for side, pieces in self._pieces.items():
+            along = sum(
+                b.numel for b, *_, read in pieces if read is not None and _row_step(read) == 1
+            )
+            out[side] = 2 * along > sum(b.numel for b, *_ in pieces)
+        return out
+
+    def base_reader(self, params: dict[str, Tensor]):
+        """``read(side, dtype)`` of the blocks of the base point ``params``, for a
+        :class:`~geosharp.geometry.pairs.PairState` that holds none
+        (:meth:`~geosharp.geometry.pairs.PairState.read_from_`)."""
+        return lambda side, dtype=None: self.read_params(params, side, dtype)
 
     def scatter(self, flat: Tensor, blocks: Blocks) -> Tensor:
         """``flat`` with this pair's entries replaced by ``blocks`` (out of place)."""
@@ -162,6 +216,11 @@ class StackedPairs:
             and flat.is_contiguous()
             and not (flat.requires_grad and torch.is_grad_enabled())  # autograd: index
         )
+
+
+def _row_step(read: StridedRead) -> int:
+    """The step of a block's rows within a head (their innermost level)."""
+    return read.steps[len(read.splits[0]) + len(read.splits[1]) - 1]
 
 
 def _stacked(specs: Sequence[PairSpec], side: str, read) -> Tensor:
@@ -263,11 +322,13 @@ class PairSpace:
             # row shards: the sum over processes, of the heads the block holds
             reduce = getattr(block, "reduce", self.reduce)
             extra = {} if reduce is None else {"reduce": reduce}
-            # in the parameters' own dtype (a half-precision model's: half the memory of
-            # float32, and exact: the state's maths reads them in float64)
-            blocks = block.gather_params(params)
-            state = self.factor.metric.state(*blocks, **extra)
-            block.state = restrict_state(state, block.group)
+            state = self.factor.metric.state(*block.gather_params(params), **extra)
+            state = restrict_state(state, block.group)
+            # the blocks are read from the base point where used, not held: a geodesic
+            # measure keeps no copy of the pairs' weights (one perturbed-parameter-sized
+            # vector of an attention-only measure)
+            reader = block.base_reader(params)
+            block.state = state if reader is None else state.read_from_(reader)
 
     def claimed(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """``{name: boolean mask}`` of the entries whose metric is the pairs' (none

@@ -66,6 +66,10 @@ class SubgroupState(PairState):
     signs: Tensor
     chol: Tensor  # (B, k, k) Cholesky factor of g(V(E_a), V(E_b))
 
+    def read_from_(self, read) -> SubgroupState:
+        self.base.read_from_(read)
+        return super().read_from_(read)
+
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         return self.base.inner(xi, eta)
 
@@ -93,7 +97,7 @@ class SubgroupState(PairState):
 
     def _element(self, c: Tensor) -> Tensor:
         """``sum_a c_a E_a`` as dense ``(B, h, h)`` matrices."""
-        h = self.G.shape[-1]
+        h = self.h
         flat = (self.rows * h + self.cols).reshape(-1)
         values = (c.unsqueeze(-1) * self.signs).reshape(*c.shape[:-1], -1)
         out = torch.zeros(*c.shape[:-1], h * h, dtype=c.dtype, device=c.device)
@@ -126,7 +130,7 @@ def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) 
     # tr(X E_b^T Y E_a), E_b = sum_s sb_s e_{p_s} e_{q_s}^T, E_a = sum_t sa_t e_{u_t} e_{v_t}^T:
     # sum_{s,t} sb_s sa_t X[v_t, q_s] Y[p_s, u_t].
     k = rows.shape[0]
-    M = torch.zeros(*state.G.shape[:-2], k, k, dtype=_F64, device=state.G.device)
+    M = torch.zeros(*state.P.shape[:-2], k, k, dtype=_F64, device=state.P.device)
     for X, Y in terms:
         for s in range(rows.shape[1]):
             for t in range(rows.shape[1]):
@@ -138,9 +142,9 @@ def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) 
 
 def _vertical_gram_generic(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
     """Slow path for other metrics: ``g(V(E_a), V(E_b))`` from ``state.inner``."""
-    h = state.G.shape[-1]
+    h = state.h
     k = rows.shape[0]
-    basis = torch.zeros(k, h, h, dtype=_F64, device=state.G.device)
+    basis = torch.zeros(k, h, h, dtype=_F64, device=state.P.device)
     for a in range(k):
         for s in range(rows.shape[1]):
             basis[a, rows[a, s], cols[a, s]] += signs[a, s]
@@ -158,13 +162,13 @@ def _vertical_gram_generic(state: PairState, rows: Tensor, cols: Tensor, signs: 
 def restrict_state(state: PairState, group: str) -> PairState:
     """The geometry of ``state``'s pairs for the symmetry ``group``; ``"GL"`` returns
     ``state`` itself."""
-    h = state.G.shape[-1]
+    h = state.h
     check_group(group, h)
     if group == "GL":
         return state
     rows, cols, signs = lie_algebra_basis(group, h)
-    rows, cols = rows.to(state.G.device), cols.to(state.G.device)
-    signs = signs.to(state.G.device)
+    rows, cols = rows.to(state.P.device), cols.to(state.P.device)
+    signs = signs.to(state.P.device)
     M = _vertical_gram(state, rows, cols, signs)
     chol, info = torch.linalg.cholesky_ex(M)
     if bool((info != 0).any()):
