@@ -76,6 +76,21 @@ MEASURES = {
 }
 
 
+BASE_READS = [0]  # calls of ShardedStack.read_params: the pair states reading their blocks
+
+
+def _count_base_reads() -> None:
+    from geosharp.geometry.sharded import ShardedStack
+
+    read = ShardedStack.read_params
+
+    def counted(self, *args, **kwargs):
+        BASE_READS[0] += 1
+        return read(self, *args, **kwargs)
+
+    ShardedStack.read_params = counted
+
+
 def plan(name: str) -> list[tuple[str, str]]:
     """The ``(measure, case)`` pairs a run measures: every pair on the float64 BERT; on
     the other runs every measure's worst case from zero, and random starts and the
@@ -386,6 +401,7 @@ def sam(name):
 
 def main():
     out, which = sys.argv[1], sys.argv[2:]
+    _count_base_reads()
     rank, world = gd.init()
     results = {}
     if "errors" in which:
@@ -412,7 +428,9 @@ def main():
         for measure, case in plan(name):
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
+            reads = BASE_READS[0]
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
+            reads = BASE_READS[0] - reads
             if rank != 0:  # the one-process references (and the results) are rank 0's
                 continue
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
@@ -420,6 +438,7 @@ def main():
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
+                "base reads": reads,
             }  # fmt: skip
             if wide is not None:
                 kw["symmetries"] = symmetries  # found on the half-precision model

@@ -22,6 +22,7 @@ others, so the sum is exact): the split rows' entries travel, never a whole para
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -248,10 +249,57 @@ class ShardedStack(StackedPairs):
                 split.fill_(block, split.receive(mine, self._total))
         return out[0], out[1]
 
-    def base_reader(self, params: dict[str, Tensor]) -> None:
-        """``None``: the state holds its blocks, whose rows cut across processes are
-        moved by collectives (not repeated on every use)."""
-        return None
+    def base_reader(self, params: dict[str, Tensor]):
+        """``read(side, dtype)`` of the held rows of ``params`` (:meth:`read_params`), or
+        ``None`` where the state must hold its blocks: rows cut across processes (moved
+        by collectives, not repeated on every use), or held rows that no strided view
+        of one parameter covers."""
+        if any(x is not None for x in self.exchange) or self._param_segments is None:
+            return None
+        return lambda side, dtype=None: self.read_params(params, side, dtype)
+
+    def read_params(
+        self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """Side ``"G"`` or ``"H"`` of the held rows of ``params`` (``{name: flat local
+        slice}``) as a new block in ``dtype`` (zero on phantom rows), one strided view
+        per segment."""
+        i = 0 if side == "G" else 1
+        first = next(iter(params.values()))
+        shape = self.shapes[i]
+        out = torch.zeros(shape, dtype=dtype or first.dtype, device=first.device)
+        for (b0, nb, r0, nr, offset, sb, sr, sc), name in self._param_segments[i]:
+            param = params[name]
+            view = param.as_strided(
+                (nb, nr, shape[-1]), (sb, sr, sc), param.storage_offset() + offset
+            )
+            out[b0 : b0 + nb, r0 : r0 + nr].copy_(view)
+        return out
+
+    @functools.cached_property
+    def _param_segments(self) -> tuple[list, list] | None:
+        """Per side, each strided segment with the parameter it lies in and its offset
+        there, or ``None`` where a segment is not within one parameter."""
+        if self._segments[0] is None or self._segments[1] is None:
+            return None
+        layout, h = self._local, self.shapes[0][-1]
+        ranges = [
+            (start, start + math.prod(shape), name)
+            for name, start, shape in zip(layout.names, layout.offsets, layout.shapes)
+        ]
+        out = ([], [])
+        for i, segs in enumerate(self._segments):
+            for seg in segs:
+                b0, nb, r0, nr, offset, sb, sr, sc = seg
+                end = offset + (nb - 1) * sb + (nr - 1) * sr + (h - 1) * sc
+                owner = [
+                    (start, name) for start, stop, name in ranges if start <= offset and end < stop
+                ]
+                if not owner or min(sb, sr, sc) < 0:
+                    return None
+                start, name = owner[0]
+                out[i].append(((b0, nb, r0, nr, offset - start, sb, sr, sc), name))
+        return out
 
     def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
         """``(positions, values)`` of the held entries of ``blocks``."""

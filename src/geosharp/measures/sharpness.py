@@ -202,7 +202,7 @@ def sharpness(
             to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
             ``iterate.xi`` is the tangent).
         low_memory: one parameter-sized vector fewer (three beyond a training step
-            instead of four, plus a geodesic measure's pair blocks): Auto-PGD (see
+            instead of four): Auto-PGD (see
             :func:`~geosharp.measures.auto_pgd`) keeps no copy of the best point's
             gradient and recomputes it at a restart away from the current point (one
             forward+backward more there, at most one per restart). The same values.
