@@ -265,7 +265,7 @@ class ShardedStack(StackedPairs):
         slice}``) as a new block in ``dtype`` (zero on phantom rows), one strided view
         per segment."""
         i = 0 if side == "G" else 1
-        first = next(iter(params.values()))
+        first = params[self._param_segments[i][0][1]]
         shape = self.shapes[i]
         out = torch.zeros(shape, dtype=dtype or first.dtype, device=first.device)
         for (b0, nb, r0, nr, offset, sb, sr, sc), name in self._param_segments[i]:
