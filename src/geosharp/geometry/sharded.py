@@ -254,7 +254,8 @@ class ShardedStack(StackedPairs):
         ``None`` where the state must hold its blocks: rows cut across processes (moved
         by collectives, not repeated on every use), or held rows that no strided view
         of one parameter covers."""
-        if any(x is not None for x in self.exchange) or self._param_segments is None:
+        segments = self._param_segments
+        if any(x is not None for x in self.exchange) or segments is None or not any(segments):
             return None
         return lambda side, dtype=None: self.read_params(params, side, dtype)
 
@@ -265,7 +266,8 @@ class ShardedStack(StackedPairs):
         slice}``) as a new block in ``dtype`` (zero on phantom rows), one strided view
         per segment."""
         i = 0 if side == "G" else 1
-        first = params[self._param_segments[i][0][1]]
+        # a side may hold only phantom rows here: the dtype is that of the stack's params
+        first = params[next(name for segs in self._param_segments for _, name in segs)]
         shape = self.shapes[i]
         out = torch.zeros(shape, dtype=dtype or first.dtype, device=first.device)
         for (b0, nb, r0, nr, offset, sb, sr, sc), name in self._param_segments[i]:
