@@ -24,7 +24,14 @@ import geosharp
 from geosharp.geometry import Geometry, PerturbationSpace, stack_pairs
 from geosharp.geometry.pairs import InvMetric, MixMetric
 from geosharp.geometry.stacked import Pairs, PairSpace
-from geosharp.layout import ParameterLayout, gather_strided, row_segments, strided_segments
+from geosharp.layout import (
+    ParameterLayout,
+    gather_strided,
+    locate_segments,
+    read_located,
+    row_segments,
+    strided_segments,
+)
 from geosharp.measures import apgd, auto_pgd
 from geosharp.params import functional_loss
 from geosharp.symmetry.groups import read_block
@@ -81,51 +88,43 @@ def test_strided_access_equals_indexing(case):
 
 
 def test_base_blocks_are_read_through_strided_views(architecture):
-    """The pair states read the base point's blocks where used (``read_params``): one
-    strided view per block, also for rows of several query heads and for key and value
-    heads that grouped-query attention repeats (no position listed); equal to reading
-    them by index, cast in the same copy."""
+    """The pair states read the base point's blocks where used (``read_params``) through
+    the stacks' strided segments, located in the parameters (no position listed), also
+    for rows of several query heads sharing a key head; equal to reading them by index,
+    cast in the same copy."""
     case = architecture.case()
     layout, theta = flat_setup(case.model)
     pairs = geosharp.find_symmetries(case.model, case.inputs).pairs
     params = {n: v.reshape(-1) for n, v in layout.unflatten(theta).items()}
     for block in stack_pairs(pairs, layout, theta.device):
-        assert all(read is not None for side in "GH" for *_, read in block._pieces[side])
+        assert all(located is not None for located, _ in block._located)
         for side, index in (("G", block.g_index), ("H", block.h_index)):
             assert torch.equal(block.read_params(params, side), theta[index])
             assert torch.equal(block.read_params(params, side, torch.float32), theta[index].float())
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_strided_reads_of_random_two_level_blocks(seed):
-    """Heads and rows of two even levels each (a step of 0: repeated), in random sizes:
-    the block's strided read equals reading it by index; an axis of three levels has
-    none."""
+@pytest.mark.parametrize("seed", range(10))
+def test_located_segments_read_blocks_out_of_their_parameters(seed):
+    """A block's strided segments in a flat layout, located in the parameter they lie in,
+    read it out of that parameter, cast and into any strides; a row that reaches past
+    its parameter is not located, a parameter that is not contiguous not read."""
     gen = torch.Generator().manual_seed(seed)
-
-    def axis(count_out, count_in):
-        step_in = int(torch.randint(0, 3, (), generator=gen))
-        step_out = count_in * max(step_in, 1) + int(torch.randint(0, 5, (), generator=gen))
-        return (
-            torch.arange(count_out)[:, None] * step_out + torch.arange(count_in) * step_in
-        ).reshape(-1)
-
-    sizes = [int(v) for v in torch.randint(1, 4, (4,), generator=gen)]
-    heads = 300 * axis(sizes[0], sizes[1])
-    rows, cols = (
-        7 * axis(sizes[2], sizes[3]),
-        torch.arange(int(torch.randint(1, 4, (), generator=gen))),
-    )
-    block = Block.separable("w", heads, rows, cols)
-    flat = torch.randn(int(block.index.max()) + 1, generator=gen, dtype=F64)
-    read = block.strided_read()
-    assert read is not None
-    B, n, h = block.shape
-    out = torch.empty((B, h, n), dtype=torch.float32).transpose(1, 2)  # rows stepping by one
-    assert read(flat, out) and torch.equal(out, flat[block.index].float())
-    assert not read(flat[:-1], out)  # the view would leave a shorter parameter
-    three = torch.tensor([0, 1, 5, 6, 20, 21, 25, 26])  # two levels within an even third
-    assert Block.separable("w", three, torch.arange(2), torch.arange(2)).strided_read() is None
+    B, n, h = (int(v) for v in torch.randint(1, 6, (3,), generator=gen))
+    b, r, c = torch.meshgrid(torch.arange(B), torch.arange(n), torch.arange(h), indexing="ij")
+    sb, sr, sc = (int(v) for v in torch.randint(0, 40, (3,), generator=gen))
+    index = 100 + b * (sb + n * h) + r * (sr + h * (sc + 1)) + c * (sc + 1)  # within "w"
+    a, w = torch.randn(7, generator=gen, dtype=F64), torch.randn(20000, generator=gen, dtype=F64)
+    layout = ParameterLayout.from_named([("a", a), ("w", w)])
+    segments = strided_segments(index + 7)
+    located = locate_segments(segments, layout, h)
+    assert located is not None and {name for _, name in located} == {"w"}
+    out = torch.empty((B, h, n), dtype=torch.float32).transpose(1, 2)
+    assert read_located({"a": a, "w": w}, located, out)
+    assert torch.equal(out, w[index].float())
+    short = ParameterLayout.from_named([("a", a), ("w", w[: int(index.max())]), ("z", w)])
+    assert locate_segments(segments, short, h) is None
+    strided = torch.stack([w, w], 1)[:, 0]  # the same values, not contiguous
+    assert torch.equal(strided, w) and not read_located({"a": a, "w": strided}, located, out)
 
 
 @pytest.mark.parametrize("seed", range(40))

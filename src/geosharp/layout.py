@@ -11,6 +11,7 @@ as int64 positions, is read and written through few strided views
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -188,6 +189,51 @@ def gather_strided(flat: Tensor, segments: list[Segment], shape: torch.Size) -> 
         b0, nb, r0, nr = seg[:4]
         out[b0 : b0 + nb, r0 : r0 + nr].copy_(_view(flat, seg, shape[-1]))
     return out
+
+
+def locate_segments(
+    segments: list[Segment], layout: ParameterLayout, h: int
+) -> list[tuple[Segment, str]] | None:
+    """Each segment of a flat vector of ``layout`` as ``(segment, name)``, its offset
+    counted in the parameter ``name`` it lies in (:func:`read_located`): a segment whose
+    rows run on into the next parameter (a weight's rows, then its bias row) is cut
+    there. ``None`` where a row leaves its parameter.
+
+    >>> layout = ParameterLayout.from_named([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    >>> locate_segments([(0, 1, 0, 3, 0, 0, 3, 1)], layout, 3)  # two weight rows, a bias row
+    [((0, 1, 0, 2, 0, 0, 3, 1), 'w'), ((0, 1, 2, 1, 0, 0, 3, 1), 'b')]
+    """
+    out = []
+    for b0, nb, r0, nr, offset, sb, sr, sc in segments:
+        span = (nb - 1) * sb + (h - 1) * sc  # from a row's first entry to its last
+        r = 0
+        while r < nr:
+            first = offset + r * sr
+            i = bisect.bisect_right(layout.offsets, first) - 1
+            if i < 0:
+                return None
+            start = layout.offsets[i]
+            stop = start + math.prod(layout.shapes[i])
+            if first + span >= stop:
+                return None
+            rows = nr - r if sr == 0 else min(nr - r, (stop - 1 - span - first) // sr + 1)
+            out.append(((b0, nb, r0 + r, rows, first - start, sb, sr, sc), layout.names[i]))
+            r += rows
+    return out
+
+
+def read_located(
+    params: Mapping[str, Tensor], located: list[tuple[Segment, str]], out: Tensor
+) -> bool:
+    """Copy the :func:`locate_segments` of ``params`` (``{name: tensor}``) into the
+    ``(B, n, h)`` block ``out`` (any strides, any dtype: cast in the copy); ``False``,
+    nothing copied, where one of the parameters is not contiguous."""
+    if not all(params[name].is_contiguous() for _, name in located):
+        return False
+    for seg, name in located:
+        b0, nb, r0, nr = seg[:4]
+        out[b0 : b0 + nb, r0 : r0 + nr].copy_(_view(params[name], seg, out.shape[-1]))
+    return True
 
 
 def write_strided(

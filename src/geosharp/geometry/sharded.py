@@ -30,7 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..layout import ParameterLayout, _view, strided_segments, write_strided
+from ..layout import (
+    ParameterLayout,
+    _view,
+    locate_segments,
+    read_located,
+    strided_segments,
+    write_strided,
+)
 from ..symmetry.pairs import PairSpec
 from .pairs import Rows
 from .stacked import StackedPairs, group_pairs
@@ -254,8 +261,10 @@ class ShardedStack(StackedPairs):
         ``None`` where the state must hold its blocks: rows cut across processes (moved
         by collectives, not repeated on every use), or held rows that no strided view
         of one parameter covers."""
-        segments = self._param_segments
-        if any(x is not None for x in self.exchange) or segments is None or not any(segments):
+        located = self._local_segments
+        if any(x is not None for x in self.exchange) or located is None or not any(located):
+            return None
+        if not all(params[name].is_contiguous() for side in located for _, name in side):
             return None
         return lambda side, dtype=None: self.read_params(params, side, dtype)
 
@@ -267,41 +276,21 @@ class ShardedStack(StackedPairs):
         per segment."""
         i = 0 if side == "G" else 1
         # a side may hold only phantom rows here: the dtype is that of the stack's params
-        first = params[next(name for segs in self._param_segments for _, name in segs)]
-        shape = self.shapes[i]
-        out = torch.zeros(shape, dtype=dtype or first.dtype, device=first.device)
-        for (b0, nb, r0, nr, offset, sb, sr, sc), name in self._param_segments[i]:
-            param = params[name]
-            view = param.as_strided(
-                (nb, nr, shape[-1]), (sb, sr, sc), param.storage_offset() + offset
-            )
-            out[b0 : b0 + nb, r0 : r0 + nr].copy_(view)
+        first = params[next(name for located in self._local_segments for _, name in located)]
+        out = torch.zeros(self.shapes[i], dtype=dtype or first.dtype, device=first.device)
+        if not read_located(params, self._local_segments[i], out):
+            raise RuntimeError("a sharded parameter is not contiguous")  # base_reader checks
         return out
 
     @functools.cached_property
-    def _param_segments(self) -> tuple[list, list] | None:
-        """Per side, each strided segment with the parameter it lies in and its offset
-        there, or ``None`` where a segment is not within one parameter."""
+    def _local_segments(self) -> tuple[list, list] | None:
+        """Per side, the strided segments in the parameters they lie in
+        (:func:`~geosharp.layout.locate_segments`), or ``None``."""
         if self._segments[0] is None or self._segments[1] is None:
             return None
-        layout, h = self._local, self.shapes[0][-1]
-        ranges = [
-            (start, start + math.prod(shape), name)
-            for name, start, shape in zip(layout.names, layout.offsets, layout.shapes)
-        ]
-        out = ([], [])
-        for i, segs in enumerate(self._segments):
-            for seg in segs:
-                b0, nb, r0, nr, offset, sb, sr, sc = seg
-                end = offset + (nb - 1) * sb + (nr - 1) * sr + (h - 1) * sc
-                owner = [
-                    (start, name) for start, stop, name in ranges if start <= offset and end < stop
-                ]
-                if not owner or min(sb, sr, sc) < 0:
-                    return None
-                start, name = owner[0]
-                out[i].append(((b0, nb, r0, nr, offset - start, sb, sr, sc), name))
-        return out
+        h = self.shapes[0][-1]
+        located = [locate_segments(segs, self._local, h) for segs in self._segments]
+        return None if None in located else (located[0], located[1])
 
     def _held(self, blocks) -> list[tuple[Tensor, Tensor]]:
         """``(positions, values)`` of the held entries of ``blocks``."""

@@ -27,10 +27,13 @@ from ..layout import (
     ParameterLayout,
     _view,
     gather_strided,
+    locate_segments,
+    read_located,
     row_segments,
     write_strided,
 )
-from ..symmetry.pairs import Block, PairSpec, StridedRead
+from ..symmetry.groups import read_block
+from ..symmetry.pairs import PairSpec
 from .elementwise import dot
 from .pairs import PairMetric, PairState
 from .subgroup import restrict_state
@@ -111,52 +114,36 @@ class StackedPairs:
         self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None
     ) -> Tensor:
         """Side ``"G"`` or ``"H"`` of the blocks of ``params`` as a new ``(B, n, h)`` or
-        ``(B, m, h)`` tensor in ``dtype`` (``None``: the parameters'), each block copied
-        (and cast) once out of its parameter: through a strided view where it allows.
-        Laid out as the weights hold the blocks: where a head's rows are a linear layer's
-        rows (a query's ``W[k h : (k + 1) h, :]``), ``(B, h, n)`` storage seen transposed,
-        so that the copy reads and writes whole rows."""
-        pieces = self._pieces[side]
-        first = params[pieces[0][0].param]
-        B, n, h = self.shapes[0 if side == "G" else 1]
+        ``(B, m, h)`` tensor in ``dtype`` (``None``: the parameters'), copied (and cast)
+        once out of the parameters through the side's strided views, by index where it
+        has none. Laid out as the weights hold the blocks: where a head's rows are a
+        linear layer's rows (a query's ``W[k h : (k + 1) h, :]``), ``(B, h, n)`` storage
+        seen transposed, so that the copy reads and writes whole rows."""
+        i = 0 if side == "G" else 1
+        attr = ("g_blocks", "h_blocks")[i]
+        first = params[getattr(self.specs[0], attr)[0].param]
+        B, n, h = self.shapes[i]
         dtype = dtype or first.dtype
-        if self._row_major[side]:
+        located, row_major = self._located[i]
+        if row_major:
             out = torch.empty((B, h, n), dtype=dtype, device=first.device).transpose(1, 2)
         else:
             out = torch.empty((B, n, h), dtype=dtype, device=first.device)
-        for block, b0, r0, read in pieces:
-            param = params[block.param]
-            into = out[b0 : b0 + block.shape[0], r0 : r0 + block.shape[1]]
-            if read is None or not read(param, into):
-                into.copy_(param.reshape(-1)[block.index.to(param.device)])
+        if located is None or not read_located(params, located, out):
+            out.copy_(_stacked(self.specs, attr, lambda b: read_block(params, b)))
         return out
 
     @functools.cached_property
-    def _pieces(self) -> dict[str, list[tuple[Block, int, int, StridedRead | None]]]:
-        """Per side, each block with its place ``(b0, r0)`` in the stack and its strided
-        read (:meth:`~geosharp.symmetry.pairs.Block.strided_read`), found once."""
-        out: dict[str, list] = {"G": [], "H": []}
-        for side, attr in (("G", "g_blocks"), ("H", "h_blocks")):
-            b0 = 0
-            for spec in self.specs:
-                r0 = 0
-                for block in getattr(spec, attr):
-                    out[side].append((block, b0, r0, block.strided_read()))
-                    r0 += block.shape[1]
-                b0 += spec.shape[0]
-        return out
-
-    @functools.cached_property
-    def _row_major(self) -> dict[str, bool]:
-        """Per side, whether most of its entries lie in blocks whose rows step by one
-        (a head's columns are rows of the weight): :meth:`read_params`' layout."""
-        out = {}
-        for side, pieces in self._pieces.items():
-            along = sum(
-                b.numel for b, *_, read in pieces if read is not None and _row_step(read) == 1
-            )
-            out[side] = 2 * along > sum(b.numel for b, *_ in pieces)
-        return out
+    def _located(self) -> tuple[tuple[list | None, bool], ...]:
+        """Per side, its strided segments in the parameters they lie in
+        (:func:`~geosharp.layout.locate_segments`; ``None``: none), and whether most of
+        its entries lie in rows that step by one (:meth:`read_params`' layout)."""
+        out = []
+        for segs, (B, n, h) in zip(self._segments, self.shapes):
+            located = None if segs is None else locate_segments(segs, self.layout, h)
+            along = 0 if located is None else _along_rows(located, h)
+            out.append((located, 2 * along > B * n * h))
+        return tuple(out)
 
     def base_reader(self, params: dict[str, Tensor]):
         """``read(side, dtype)`` of the blocks of the base point ``params``, for a
@@ -218,9 +205,10 @@ class StackedPairs:
         )
 
 
-def _row_step(read: StridedRead) -> int:
-    """The step of a block's rows within a head (their innermost level)."""
-    return read.steps[len(read.splits[0]) + len(read.splits[1]) - 1]
+def _along_rows(located: list, h: int) -> int:
+    """The entries of ``located`` segments whose rows step by one (a head's columns are
+    rows of its weight)."""
+    return sum(seg[1] * seg[3] * h for seg, _ in located if seg[6] == 1)
 
 
 def _stacked(specs: Sequence[PairSpec], side: str, read) -> Tensor:

@@ -175,37 +175,6 @@ class Block:
             return None
         return tensor.as_strided(self.shape, steps, tensor.storage_offset() + offset)
 
-    def levels(self) -> tuple[tuple[tuple[int, int], ...], ...] | None:
-        """Per axis (heads, rows, columns), the block's positions as ``((count, step),
-        ...)``, at most two levels each, outer first: ``heads[k] = o + s_1 k_1 + s_2 k_2``
-        with ``k = k_1 c_2 + k_2``. So a read of the block is one strided view
-        (:meth:`strided_read`) also where an axis steps evenly only piece by piece: the
-        rows of several query heads sharing one key head, a key head repeated (step 0).
-        ``None`` where an axis is not of that form.
-
-        >>> heads = torch.tensor([0, 0, 8, 8])  # two heads, each read twice
-        >>> rows = torch.tensor([0, 1, 32, 33])  # two rows of two sub-heads
-        >>> Block.separable("w", heads, rows, torch.tensor([0, 4])).levels()
-        (((2, 8), (2, 0)), ((2, 32), (2, 1)), ((2, 4),))
-        """
-        if self._parts is None:
-            return None
-        out = tuple(_levels(t) for t in self._parts)
-        return None if any(axis is None for axis in out) else out
-
-    def strided_read(self) -> StridedRead | None:
-        """The read of :meth:`levels` (repeated entries allowed: it only reads), or
-        ``None``."""
-        levels = self.levels()
-        if levels is None:
-            return None
-        offset = sum(int(t[0]) for t in self._parts)
-        shape = tuple(count for axis in levels for count, _ in axis)
-        steps = tuple(step for axis in levels for _, step in axis)
-        last = sum((count - 1) * step for count, step in zip(shape, steps))
-        splits = tuple(tuple(count for count, _ in axis) for axis in levels)
-        return None if offset < 0 else StridedRead(shape, steps, splits, offset, last)
-
     def bounds(self) -> tuple[int, int]:
         """Smallest and largest position (without listing the positions)."""
         if self._parts is None:
@@ -237,53 +206,6 @@ def _step(values: Tensor) -> int | None:
     step = int(values[1] - values[0])
     even = values[0] + torch.arange(len(values)) * step
     return step if torch.equal(values, even) else None
-
-
-def _levels(values: Tensor) -> tuple[tuple[int, int], ...] | None:
-    """``values`` (1-D int64, non-negative steps) as one or two even levels, outer first
-    (:meth:`Block.levels`), or ``None``."""
-    step = _step(values)
-    if step is not None:
-        return ((len(values), step),)
-    inner = 2
-    first = int(values[1] - values[0])
-    while inner < len(values) and int(values[inner] - values[inner - 1]) == first:
-        inner += 1
-    outer = values[::inner]
-    outer_step = _step(outer)
-    if len(values) % inner or outer_step is None or first < 0 or outer_step < 0:
-        return None
-    rebuilt = outer.repeat_interleave(inner) + (torch.arange(inner) * first).repeat(len(outer))
-    if not torch.equal(values, rebuilt):
-        return None
-    return (len(outer), outer_step), (inner, first)
-
-
-@dataclass(frozen=True)
-class StridedRead:
-    """How to copy a :class:`Block` out of a contiguous parameter through one strided
-    view (:meth:`Block.strided_read`): plain integers, so that a read looks at no tensor
-    but the parameter."""
-
-    shape: tuple[int, ...]  # the levels' counts, axis by axis
-    steps: tuple[int, ...]
-    splits: tuple[tuple[int, ...], ...]  # per axis of the block, its levels' counts
-    offset: int
-    last: int  # the largest position read, from the offset
-
-    def __call__(self, tensor: Tensor, out: Tensor) -> bool:
-        """Copy the block's entries of ``tensor`` into ``out`` (``(heads, rows, h)``, any
-        strides and dtype); ``False``, nothing copied, where ``tensor`` is not contiguous
-        or too small."""
-        if not tensor.is_contiguous() or self.offset + self.last >= tensor.numel():
-            return False
-        view = tensor.as_strided(self.shape, self.steps, tensor.storage_offset() + self.offset)
-        at = 0
-        for counts in self.splits:
-            out = out.unflatten(at, counts)
-            at += len(counts)
-        out.copy_(view)
-        return True
 
 
 def _separable(index: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
