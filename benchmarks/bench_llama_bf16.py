@@ -16,6 +16,10 @@ growth beyond the step's in float32 vectors of the perturbed parameters, and the
 time between two evaluations of the measure over the step's time. Run on a quiet
 machine.
 
+``--layers N``: the same width ``N`` layers deep; ``--depth-split DEEP SHALLOW`` splits
+the counts of two such runs into what grows with the perturbed parameters and what
+does not (:func:`depth_split`).
+
 ``--fsdp``: the same on 2 processes (``torchrun``, gloo, one thread each), the model
 built on the meta device and sharded there (FSDP2's default plan, or with ``--plan
 rows`` :func:`geosharp.fsdp.shard`'s), bfloat16 shards; its pairs found on its
@@ -47,10 +51,12 @@ SHAPES = {
 """The LLaMA shapes benchmarked here and in ``bench_llama_gpu.py`` (vocabulary 32,000)."""
 
 
-def config(shape: str):
+def config(shape: str, layers: int | None = None):
+    """The ``LlamaConfig`` of ``shape``; ``layers`` overrides its depth."""
     import transformers as tf
 
-    return tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SHAPES[shape])
+    made = dict(SHAPES[shape], **({} if layers is None else {"num_hidden_layers": layers}))
+    return tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **made)
 
 
 def _random_(model, config) -> None:
@@ -71,13 +77,13 @@ def attention_of(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if ".self_attn." in n]
 
 
-def build(shape: str, device: str):
-    """The model of ``shape`` in bfloat16 on ``device`` (built on the meta device, random
-    weights), and the names of its attention parameters."""
+def build(shape: str, device: str, layers: int | None = None):
+    """The model of ``shape`` (``layers`` deep, if given) in bfloat16 on ``device`` (built
+    on the meta device, random weights), and the names of its attention parameters."""
     import torch
     import transformers as tf
 
-    made = config(shape)
+    made = config(shape, layers)
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(made).to(torch.bfloat16)
     model.to_empty(device=device)
@@ -92,8 +98,8 @@ def _ids(tokens: int):
     return torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(1))
 
 
-def _model(tokens: int):
-    model, attention = build("1.1b", "cpu")
+def _model(tokens: int, layers: int | None = None):
+    model, attention = build("1.1b", "cpu", layers)
     return model, _ids(tokens), attention
 
 
@@ -112,7 +118,7 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _sharded_model(tokens: int, plan: str):
+def _sharded_model(tokens: int, plan: str, layers: int | None = None):
     """The same shape built on the meta device and sharded there, each layer and then
     the root, with FSDP2's default plan (``plan="default"``: ``Shard(0)``, whole heads
     on each of 2 processes) or :func:`geosharp.fsdp.shard`'s (``"rows"``: the query,
@@ -125,7 +131,7 @@ def _sharded_model(tokens: int, plan: str):
     import geosharp
     from geosharp import fsdp
 
-    made = config("1.1b")
+    made = config("1.1b", layers)
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(made).to(torch.bfloat16)
     if plan == "rows":  # the pairs found on the structure (no values on the meta device)
@@ -158,7 +164,9 @@ def _status(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | None:
+def sharded_one(
+    mode: str, tokens: int, low_memory: bool, plan: str, layers: int | None = None
+) -> dict | None:
     """One process of a 2-process FSDP2 run (``torchrun``, gloo, one thread each): the
     row of rank 0, with the largest growth over the processes."""
     import warnings
@@ -172,7 +180,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     rank, world = gd.init()
-    model, ids, attention = _sharded_model(tokens, plan)
+    model, ids, attention = _sharded_model(tokens, plan, layers)
     sizes = dict(model.named_parameters())
     perturbed = sum(sizes[n].numel() for n in attention)
     local = sum(sizes[n].to_local().numel() for n in attention)
@@ -187,6 +195,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
     loaded = _reset_peak()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, local_perturbed=local, tokens=tokens, processes=world)
+    row.update(layers=model.config.num_hidden_layers)
     row.update(low_memory=low_memory, plan=plan)
     if mode == "step":
         times = []
@@ -231,7 +240,7 @@ def sharded_one(mode: str, tokens: int, low_memory: bool, plan: str) -> dict | N
     return row if rank == 0 else None
 
 
-def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
+def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = None) -> dict:
     import warnings
 
     import torch
@@ -240,7 +249,7 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
-    model, ids, attention = _model(tokens)
+    model, ids, attention = _model(tokens, layers)
     sizes = dict(model.named_parameters())
     perturbed = sum(sizes[n].numel() for n in attention)
 
@@ -250,6 +259,7 @@ def one(mode: str, tokens: int, low_memory: bool = False) -> dict:
     loaded = _rss_mib()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded, low_memory=low_memory)
+    row.update(layers=model.config.num_hidden_layers)
     if mode == "step":
         for n, p in model.named_parameters():
             p.requires_grad_(n in attention)
@@ -313,13 +323,16 @@ def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = No
     ]
     for r in [*rows, *(sharded or [])]:
         run = r["mode"] + (f", {r['processes']} processes" if "processes" in r else "")
+        run += (
+            f", {r['layers']} layers" if r.get("layers", SHAPE["layers"]) != SHAPE["layers"] else ""
+        )
         measured.append(
             f"| {run} | {r['parameters'] / 1e9:.2f}B | {r['perturbed'] / 1e6:.0f}M | "
             f"{r['tokens']} | {r['peak_growth_mib']:.0f} | {r['buffers_beyond_step']:.2f} | "
             f"{r['seconds']:.2f} s | {r['step_over_forward_backward']:.2f} |"
         )
     act_bytes = step["peak_growth_mib"] * 2**20 - 2 * step["perturbed"]
-    per_unit = act_bytes / (step["tokens"] * SHAPE["layers"] * SHAPE["hidden"])
+    per_unit = act_bytes / (step["tokens"] * step.get("layers", SHAPE["layers"]) * SHAPE["hidden"])
     projected = [
         "| model | GPUs | perturbed | measure | model | step gradients | measure's vectors "
         f"| activations ({tokens} tokens) | total per GPU | activations, checkpointed "
@@ -348,6 +361,34 @@ def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = No
     return "\n".join(measured) + "\n\n" + "\n".join(projected)
 
 
+def _all_improved(losses: list[float]) -> bool:
+    """Whether every evaluation before the last beat the best before it (the best ``xi``
+    was then the iterate's own buffer: one vector fewer than otherwise)."""
+    return all(x > max(losses[:i]) for i, x in enumerate(losses[:-1]) if i > 0)
+
+
+def depth_split(deep: list[dict], shallow: list[dict]) -> str:
+    """Each measure's count ``c = a + C / V`` split, from runs of the same width at two
+    depths (``V``: one float32 vector of a process's perturbed slices, in MiB), into
+    ``a`` vectors that grow with the perturbed parameters and ``C`` MiB per process
+    that do not; a two-point fit of runs whose steps before the last all improved."""
+    lines = []
+    for d, s in zip(deep[1:], shallow[1:]):
+        if d["mode"] != s["mode"] or d.get("losses") is None:
+            raise SystemExit("the two runs do not measure the same rows")
+        if not (_all_improved(d["losses"]) and _all_improved(s["losses"])):
+            raise SystemExit(f"{d['mode']}: a step before the last did not improve in a run")
+        v_deep, v_shallow = (4 * r.get("local_perturbed", r["perturbed"]) / 2**20 for r in (d, s))
+        c_deep, c_shallow = d["buffers_beyond_step"], s["buffers_beyond_step"]
+        fixed = (c_shallow - c_deep) / (1 / v_shallow - 1 / v_deep)
+        lines.append(
+            f"{d['mode']}: {c_deep:.2f} at {d.get('layers', SHAPE['layers'])} layers, "
+            f"{c_shallow:.2f} at {s['layers']}: {c_deep - fixed / v_deep:.2f} vectors "
+            f"and {fixed:.0f} MiB per process"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -373,15 +414,28 @@ def main() -> None:
         default="default",
         help="with --fsdp: FSDP2's default Shard(0), or geosharp.fsdp.shard's plan",
     )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the 1.1B shape with this many layers (22)"
+    )
+    parser.add_argument(
+        "--depth-split",
+        nargs=2,
+        metavar=("DEEP", "SHALLOW"),
+        help="split the counts of two results files of different depths (depth_split)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one and args.fsdp:
-        row = sharded_one(args.one, args.tokens, args.low_memory, args.plan)
+        row = sharded_one(args.one, args.tokens, args.low_memory, args.plan, args.layers)
         if row is not None:
             print(json.dumps(row))
         return
     if args.one:
-        print(json.dumps(one(args.one, args.tokens, args.low_memory)))
+        print(json.dumps(one(args.one, args.tokens, args.low_memory, args.layers)))
+        return
+    if args.depth_split:
+        deep, shallow = (json.loads(open(f).read()) for f in args.depth_split)
+        print(depth_split(deep, shallow))
         return
     if args.report:
         with open(args.report) as f:
@@ -405,6 +459,7 @@ def main() -> None:
         done = subprocess.run(
             [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),
              *(["--low-memory"] if args.low_memory else []),
+             *(["--layers", str(args.layers)] if args.layers else []),
              *(["--fsdp", "--plan", args.plan] if args.fsdp else [])],
             capture_output=True, text=True, env=env,
         )  # fmt: skip

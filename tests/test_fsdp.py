@@ -310,6 +310,15 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
         f"{by_rows[1]['buffers_beyond_step']:.2f} and {by_rows[2]['buffers_beyond_step']:.2f} "
         "with `geosharp.fsdp.shard`'s" in docs
     )
+    shallow, shallow_one = (
+        json.loads((results / f"depth11/{n}.json").read_text())
+        for n in ("fsdp_default_mmap", "bench_mmap")
+    )
+    assert all(x["layers"] == 11 for x in shallow + shallow_one)
+    for line in bench.depth_split(sharded, shallow).splitlines():
+        assert line in docs, line
+    with pytest.raises(SystemExit, match="did not improve"):  # a step of one run did not
+        bench.depth_split(mmap, shallow_one)
     assert (
         f"{sharded[1]['step_over_forward_backward']:.2f}x and "
         f"{sharded[2]['step_over_forward_backward']:.2f}x on 2 processes" in docs
