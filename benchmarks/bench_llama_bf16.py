@@ -16,9 +16,7 @@ growth beyond the step's in float32 vectors of the perturbed parameters, and the
 time between two evaluations of the measure over the step's time. Run on a quiet
 machine.
 
-``--layers N``: the same width ``N`` layers deep; ``--depth-split DEEP SHALLOW`` splits
-the counts of two such runs into what grows with the perturbed parameters and what
-does not (:func:`depth_split`).
+``--layers N``: the same width, ``N`` layers deep.
 
 ``--fsdp``: the same on 2 processes (``torchrun``, gloo, one thread each), the model
 built on the meta device and sharded there (FSDP2's default plan, or with ``--plan
@@ -361,34 +359,6 @@ def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = No
     return "\n".join(measured) + "\n\n" + "\n".join(projected)
 
 
-def _all_improved(losses: list[float]) -> bool:
-    """Whether every evaluation before the last beat the best before it (the best ``xi``
-    was then the iterate's own buffer: one vector fewer than otherwise)."""
-    return all(x > max(losses[:i]) for i, x in enumerate(losses[:-1]) if i > 0)
-
-
-def depth_split(deep: list[dict], shallow: list[dict]) -> str:
-    """Each measure's count ``c = a + C / V`` split, from runs of the same width at two
-    depths (``V``: one float32 vector of a process's perturbed slices, in MiB), into
-    ``a`` vectors that grow with the perturbed parameters and ``C`` MiB per process
-    that do not; a two-point fit of runs whose steps before the last all improved."""
-    lines = []
-    for d, s in zip(deep[1:], shallow[1:]):
-        if d["mode"] != s["mode"] or d.get("losses") is None:
-            raise SystemExit("the two runs do not measure the same rows")
-        if not (_all_improved(d["losses"]) and _all_improved(s["losses"])):
-            raise SystemExit(f"{d['mode']}: a step before the last did not improve in a run")
-        v_deep, v_shallow = (4 * r.get("local_perturbed", r["perturbed"]) / 2**20 for r in (d, s))
-        c_deep, c_shallow = d["buffers_beyond_step"], s["buffers_beyond_step"]
-        fixed = (c_shallow - c_deep) / (1 / v_shallow - 1 / v_deep)
-        lines.append(
-            f"{d['mode']}: {c_deep:.2f} at {d.get('layers', SHAPE['layers'])} layers, "
-            f"{c_shallow:.2f} at {s['layers']}: {c_deep - fixed / v_deep:.2f} vectors "
-            f"and {fixed:.0f} MiB per process"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -417,12 +387,6 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=None, help="the 1.1B shape with this many layers (22)"
     )
-    parser.add_argument(
-        "--depth-split",
-        nargs=2,
-        metavar=("DEEP", "SHALLOW"),
-        help="split the counts of two results files of different depths (depth_split)",
-    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one and args.fsdp:
@@ -432,10 +396,6 @@ def main() -> None:
         return
     if args.one:
         print(json.dumps(one(args.one, args.tokens, args.low_memory, args.layers)))
-        return
-    if args.depth_split:
-        deep, shallow = (json.loads(open(f).read()) for f in args.depth_split)
-        print(depth_split(deep, shallow))
         return
     if args.report:
         with open(args.report) as f:
