@@ -112,6 +112,23 @@ def check_perturbed(result, perturbed: int) -> None:
         )
 
 
+def loss(m, batch):
+    """The causal LM's loss on ``batch`` (its inputs are its labels), in float32."""
+    return m(input_ids=batch, labels=batch).loss.float()
+
+
+def torchrun(port: int) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment of a run on 2 CPU processes (``torchrun``,
+    gloo, one thread each)."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+              "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
+    return prefix, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc returns every freed block above 128 KiB: memory held, not the heap's."""
+
+
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -162,6 +179,15 @@ def _status(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+def warm_up(model, ids, attention: list[str]) -> None:
+    """One training step with gradients of ``attention`` only: FSDP's first step
+    allocates what it keeps."""
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in attention)
+    loss(model, ids).backward()
+    model.zero_grad(set_to_none=True)
+
+
 def sharded_one(
     mode: str, tokens: int, low_memory: bool, plan: str, layers: int | None = None
 ) -> dict | None:
@@ -182,14 +208,7 @@ def sharded_one(
     sizes = dict(model.named_parameters())
     perturbed = sum(sizes[n].numel() for n in attention)
     local = sum(sizes[n].to_local().numel() for n in attention)
-
-    def loss(m, batch):
-        return m(input_ids=batch, labels=batch).loss.float()
-
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in attention)
-    loss(model, ids).backward()  # FSDP's first step allocates what it keeps
-    model.zero_grad(set_to_none=True)
+    warm_up(model, ids, attention)
     loaded = _reset_peak()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, local_perturbed=local, tokens=tokens, processes=world)
@@ -251,9 +270,6 @@ def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = N
     sizes = dict(model.named_parameters())
     perturbed = sum(sizes[n].numel() for n in attention)
 
-    def loss(m, batch):
-        return m(input_ids=batch, labels=batch).loss.float()
-
     loaded = _rss_mib()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded, low_memory=low_memory)
@@ -295,7 +311,8 @@ def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = N
     return row
 
 
-SHAPE = {"layers": 22, "hidden": 2048}  # of the measured model
+SHAPE = {"layers": SHAPES["1.1b"]["num_hidden_layers"], "hidden": SHAPES["1.1b"]["hidden_size"]}
+"""The measured model's depth and width."""
 # LLaMA-2's shapes: parameters, attention parameters, layers, width
 PROJECTED = {
     "LLaMA-2-7B": (6.74e9, 2.147e9, 32, 4096),
@@ -385,7 +402,7 @@ def main() -> None:
         help="with --fsdp: FSDP2's default Shard(0), or geosharp.fsdp.shard's plan",
     )
     parser.add_argument(
-        "--layers", type=int, default=None, help="the 1.1B shape with this many layers (22)"
+        "--layers", type=int, default=None, help=f"the 1.1B shape this deep ({SHAPE['layers']})"
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -407,14 +424,11 @@ def main() -> None:
         print(report(rows, sharded=sharded))
         return
     rows = []
-    env = dict(os.environ)
-    if args.mmap_threshold:  # glibc returns every block above 128 KiB when freed
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env = dict(os.environ, **(MMAP_THRESHOLD if args.mmap_threshold else {}))
     launcher = [sys.executable]
     if args.fsdp:
-        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node=2",
-                     "--master_addr=127.0.0.1", "--master_port=29650"]  # fmt: skip
+        launcher, distributed = torchrun(29650)
+        env.update(distributed)
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
         done = subprocess.run(
             [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),

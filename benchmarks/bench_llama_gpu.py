@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_llama_bf16 import SHAPES, build, check_perturbed
+from bench_llama_bf16 import SHAPES, build, check_perturbed, loss
 
 
 def rows(
@@ -51,9 +51,6 @@ def rows(
     perturbed = sum(sizes[n].numel() for n in attention)
     ids = torch.randint(0, 32000, (batch, tokens), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
-
-    def loss(m, b):
-        return m(input_ids=b, labels=b).loss.float()
 
     def stamp() -> float:
         if gpu:

@@ -25,13 +25,20 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_llama_bf16 import (
+    MMAP_THRESHOLD,
+    _reset_peak,
+    _sharded_model,
+    _status,
+    loss,
+    torchrun,
+    warm_up,
+)
 
 MODES = ("step", "geodesic-inv-attn")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return int(next(x for x in f if x.startswith("VmRSS")).split()[1]) / 1024
 
 
 def _live_storages() -> dict[int, int]:
@@ -59,23 +66,13 @@ def traced(mode: str, layers: int) -> dict | None:
     import geosharp
     from geosharp import distributed as gd
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_llama_bf16 import _reset_peak, _sharded_model
-
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     rank, world = gd.init()
     model, ids, attention = _sharded_model(128, "default", layers)
     sizes = dict(model.named_parameters())
     vector = 4 * sum(sizes[n].to_local().numel() for n in attention) / 2**20
-
-    def loss(m, batch):
-        return m(input_ids=batch, labels=batch).loss.float()
-
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in attention)
-    loss(model, ids).backward()
-    model.zero_grad(set_to_none=True)
+    warm_up(model, ids, attention)
     before = _live_storages()
     base = _reset_peak()
     samples: list[tuple[float, float]] = []
@@ -84,11 +81,11 @@ def traced(mode: str, layers: int) -> dict | None:
 
     def sample() -> None:
         while not done.is_set():
-            samples.append((time.perf_counter(), _rss_mib()))
+            samples.append((time.perf_counter(), _status("VmRSS")))
             time.sleep(0.002)
 
     def mark(name: str) -> None:
-        marks.append((time.perf_counter(), name, _rss_mib()))
+        marks.append((time.perf_counter(), name, _status("VmRSS")))
 
     for layer in (0, len(model.model.layers) // 2):
         attn = model.model.layers[layer].self_attn
@@ -118,8 +115,8 @@ def traced(mode: str, layers: int) -> dict | None:
     thread.join()
     left = _live_storages()
     kept = sum(n for k, n in left.items() if k not in before)
-    mark("after malloc_trim")  # _reset_peak: garbage collected, heap returned
-    marks[-1] = (*marks[-1][:2], _reset_peak())
+    # _reset_peak: garbage collected, the heap handed back, the size then
+    marks.append((time.perf_counter(), "after malloc_trim", _reset_peak()))
     at, peak = max(samples, key=lambda s: s[1])
     phases = []
     for (t0, a, _), (t1, b, _) in itertools.pairwise(marks):
@@ -160,14 +157,12 @@ def main() -> None:
         if out is not None:
             print(json.dumps(out))
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    launcher, distributed = torchrun(29652)
+    env = dict(os.environ, **distributed, **MMAP_THRESHOLD)
     rows = []
     for mode in MODES:
         done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-             "--master_addr=127.0.0.1", "--master_port=29652", __file__,
-             "--one", mode, "--layers", str(args.layers)],
+            [*launcher, __file__, "--one", mode, "--layers", str(args.layers)],
             capture_output=True, text=True, env=env,
         )  # fmt: skip
         if done.returncode != 0:
