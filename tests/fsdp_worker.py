@@ -277,6 +277,19 @@ def split_heads():
                 alone(plain, batches, loss_fn, measure, **kw),
                 geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
             ]
+        if name == "bert":  # stacks cut into runs of one head each (on every process):
+            # the value without runs, in one process
+            from geosharp.geometry import sharded, stacked
+
+            kept = stacked.max_stack
+            sharded.max_stack = stacked.max_stack = lambda device: 1
+            for measure in ("geodesic-inv", "geodesic-mix"):
+                kw = dict(rho=rho, symmetries=symmetries, **CASES["worst"])
+                out[f"bert/runs/{measure}"] = [
+                    out[f"bert/{measure}/worst"][0],
+                    geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
+                ]
+            sharded.max_stack = stacked.max_stack = kept
         if name == "bert":  # no symmetries passed: found on the structure (meta device)
             # and checked on the sharded model, its units' weights all-gathered
             kw = dict(rho=rho, **CASES["worst"])

@@ -102,7 +102,8 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     processes: a 3-head BERT of 12 features (every head cut on 4 processes, the middle
     one on 2) and a LLaMA with one key/value head of 4 rows, float64 and bfloat16 (float32
     perturbations); each cut row is kept by one process and its entries moved through a
-    buffer. Every case equals one process, with the pairs found before sharding and on
+    buffer. Every case equals one process (also with every stack cut into runs of one
+    head, :func:`~geosharp.geometry.stacked.max_stack`), with the pairs found before sharding and on
     the sharded model's structure, and the shards are unchanged afterwards. Pairs found
     on the structure are checked on the sharded model (its attention units' weights
     all-gathered): all verified, and a query squashed by a forward hook, which the
@@ -116,6 +117,9 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure, case in split_plan(name):
             one, many = results[f"{name}/{measure}/{case}"]
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
+    for measure in ("geodesic-inv", "geodesic-mix"):  # every stack cut into single heads
+        one, many = results[f"bert/runs/{measure}"]
+        assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), measure
     value, n_found, n_before, verified, unverified = results["bert/structure"]
     assert n_found == n_before == verified == 4 and unverified == []
     assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)

@@ -103,6 +103,30 @@ def test_base_blocks_are_read_through_strided_views(architecture):
             assert torch.equal(block.read_params(params, side, torch.float32), theta[index].float())
 
 
+def test_stacks_cut_into_runs_of_heads_give_the_same_values(architecture, monkeypatch):
+    """A stack part is bounded by :func:`~geosharp.geometry.stacked.max_stack` entries and
+    a pair of more is cut into runs of its heads: with every pair cut into single heads
+    (also grouped-query and rotary ones), the measures take the same values as with
+    whole pairs (in float64, to round-off), and the runs are single heads."""
+    from geosharp.geometry import stacked
+
+    case = architecture.case()
+    data, kw = case.batches, dict(estimator=geosharp.WorstCase(n_iters=3))
+    pairs = geosharp.find_symmetries(case.model, case.inputs).pairs
+    whole = {
+        m: geosharp.sharpness(case.model, data, case.loss_fn, m, 0.05, **kw).value
+        for m in ("geodesic-inv", "geodesic-mix")
+    }
+    monkeypatch.setattr(stacked, "max_stack", lambda device: 1)
+    layout = ParameterLayout.from_named(list(case.model.named_parameters()))
+    stacks = stack_pairs(pairs, layout, torch.device("cpu"))
+    assert len(stacks) == sum(p.shape[0] for p in pairs)
+    assert all(s.shapes[0][0] == 1 for s in stacks)
+    for measure, value in whole.items():
+        cut = geosharp.sharpness(case.model, data, case.loss_fn, measure, 0.05, **kw).value
+        assert cut == pytest.approx(value, rel=1e-12, abs=1e-15), measure
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_located_segments_read_blocks_out_of_their_parameters(seed):
     """A block's strided segments in a flat layout, located in the parameter they lie in,
@@ -300,6 +324,12 @@ def test_inplace_methods_match(encoder, name, metric, eps, step):
     assert float(sq2) == float(sq)
     assert math.isclose(float(dx), float(torch.dot(xi, pulled)), rel_tol=1e-12)
     assert math.isclose(float(dp), float(torch.dot(xp, pulled)), rel_tol=1e-12)
+    # ascent_ == pullback_ then direction_ (one pass over the pair blocks where fused)
+    fused = egrad.clone()
+    sq3, (dx3, dp3) = space.ascent_(step, fused, xi, xp)
+    assert rel(fused, again) < 1e-13
+    for got, want in ((sq3, sq2), (dx3, dx), (dp3, dp)):
+        assert math.isclose(float(got), float(want), rel_tol=1e-12)
     # the step's point written in the same pass as the step, over xp's buffer
     if space.fused_step:
         point = xp.clone()
@@ -341,6 +371,12 @@ def test_scaling_outside_pairs_keeps_the_claimed_entries(frozen):
     assert math.isclose(float(sq), float((expected[~mine] ** 2).sum()), rel_tol=1e-14)
     kinds = [run.kind for run in space.runs]
     assert kinds == ["claimed", "free", "mixed"] and space.runs[1].frozen == frozen
+    # the dots read before the scaling: over every entry, or the unclaimed ones only
+    y = torch.randn(48, generator=gen, dtype=F64)
+    for claimed_too, over in ((True, torch.ones_like(mine)), (False, ~mine)):
+        sq2, (dot,) = space.direction_(out := x.clone(), [y], claimed=claimed_too)
+        assert torch.equal(out, expected) and float(sq2) == float(sq)
+        assert math.isclose(float(dot), float((y * x)[over].sum()), rel_tol=1e-13)
     # no free run at all: the mixed one alone
     alone = ElementwiseSpace(
         Geometry.named("adaptive").elementwise, {"c": params["c"]},

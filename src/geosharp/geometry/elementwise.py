@@ -231,16 +231,24 @@ class ElementwiseSpace:
                     x[s:e].mul_(c)
         return x
 
-    def direction_(self, x: Tensor, others: Sequence[Tensor] = ()) -> tuple[Tensor, list[Tensor]]:
+    def direction_(
+        self, x: Tensor, others: Sequence[Tensor] = (), claimed: bool = True
+    ) -> tuple[Tensor, list[Tensor]]:
         """``x <- c x`` on the entries a pair ball does not claim (zero where ``c = 0``
         there), the claimed ones kept. Returns ``sum x^2`` over the former after it, and
-        ``<y, x>`` over every entry before it for each ``y`` of ``others``: one pass, run
-        by run (0-d float64 sums of this process's entries)."""
+        ``<y, x>`` before it for each ``y`` of ``others``, over every entry (over the
+        unclaimed ones only with ``claimed=False``): one pass, run by run (0-d float64
+        sums of this process's entries)."""
         partial = torch.zeros((len(self.runs), 1 + len(others)), dtype=x.dtype, device=x.device)
         for i, run in enumerate(self.runs):
             piece, row = x[run.start : run.end], partial[i]
+            if run.kind == "claimed" and not claimed:
+                continue
+            seen = piece
+            if run.kind == "mixed" and not claimed:
+                seen = piece.masked_fill(run.pieces[0][1], 0)
             for j, y in enumerate(others, 1):
-                torch.dot(y[run.start : run.end], piece, out=row[j])
+                torch.dot(y[run.start : run.end], seen, out=row[j])
             if run.kind == "claimed":
                 continue
             c = self._c(run, claimed=1.0)

@@ -34,6 +34,7 @@ acceleration, on the autograd hot path, runs in the tangent's dtype.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,8 +124,24 @@ class PairState(ABC):
         read); a held block in its own dtype is itself, not a copy."""
         held = self._G if name == "G" else self._H
         if held is None:
+            kept = self.__dict__.get("_kept")
+            if kept is not None and kept[0] == dtype:
+                return kept[1 if name == "G" else 2]
             return self._read(name, dtype)
         return held if dtype is None else held.to(dtype)
+
+    @contextlib.contextmanager
+    def reading(self, dtype: torch.dtype):
+        """Within it, the blocks read where used (:meth:`read_from_`) are read once in
+        ``dtype`` and shared by every method called (freed at its end)."""
+        if self._read is None:
+            yield self
+            return
+        self._kept = (dtype, self._read("G", dtype), self._read("H", dtype))
+        try:
+            yield self
+        finally:
+            self._kept = None
 
     @property
     def G(self) -> Tensor:

@@ -40,7 +40,7 @@ from ..layout import (
 )
 from ..symmetry.pairs import PairSpec
 from .pairs import Rows
-from .stacked import StackedPairs, group_pairs
+from .stacked import StackedPairs, group_pairs, max_stack
 
 __all__ = ["ShardedStack", "Shards", "localize"]
 
@@ -392,7 +392,8 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
     entries moved through a :class:`Split` buffer (one all-reduce per pair and side
     finds those rows)."""
     out = []
-    for (n, m, _, group, _part), specs in group_pairs(pairs).items():  # as stack_pairs does
+    stacks = group_pairs(pairs, max_stack(device))  # as stack_pairs stacks them
+    for (n, m, _, group, _part), specs in stacks.items():
         sides, rows, exchange = [], [], []
         for side in ("g_blocks", "h_blocks"):
             parts, done = [], 0

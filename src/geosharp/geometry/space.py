@@ -343,6 +343,26 @@ class PerturbationSpace:
             sums[0] += self._ball.direction_(egrad)
         return sums[0], list(sums[1:])
 
+    def ascent_(
+        self, step: Retraction, grad: Tensor, *others: Tensor
+    ) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`pullback_` then :meth:`direction_`: ``grad``, the Euclidean gradient at
+        the point of ``step``, becomes the ascent direction ``d`` of its pullback ``g``, in
+        place; returns ``||d||^2`` and ``<y, g>`` for each ``y`` of ``others``. Where the
+        pairs are measured in their metric and stepped along their geodesic, each
+        stack's blocks are pulled back and turned into ``d`` in one pass (read once,
+        written once), and the element-wise pass leaves their entries alone."""
+        if self._ball is None or not self.geometry.geodesic_step:
+            self.pullback_(step, grad)
+            return self.direction_(grad, *others)
+        with torch.no_grad():
+            if self.elementwise.exp:
+                self._exp_pullback_(step, grad)
+            sq, dots = self.elementwise.direction_(grad, others, claimed=False)
+            pair_sq, pair_dots = self._ball.ascent_(step.xi, grad, step.saved, others)
+            sums = self._sum(torch.stack([sq + pair_sq, *(a + b for a, b in zip(dots, pair_dots))]))
+        return sums[0], list(sums[1:])
+
     def combine_(
         self,
         out: Tensor,
@@ -386,14 +406,19 @@ class PerturbationSpace:
         step)."""
         with torch.no_grad():
             if self.elementwise.exp:
-                kept = self.pairs.read(grad) if self.pairs is not None else []
-                self.elementwise.exp_pullback_(step.xi, grad)
-                if self.pairs is not None:
-                    self.pairs.write_(grad, kept)
+                self._exp_pullback_(step, grad)
             if not self.geometry.geodesic_step:
                 return grad
             self.pairs.pullback_(step.xi, grad, step.saved)
         return grad
+
+    def _exp_pullback_(self, step: Retraction, grad: Tensor) -> None:
+        """The factor ``exp(xi / theta)`` of the element-wise step on the entries it
+        takes (pair entries keep the straight step)."""
+        kept = self.pairs.read(grad) if self.pairs is not None else []
+        self.elementwise.exp_pullback_(step.xi, grad)
+        if self.pairs is not None:
+            self.pairs.write_(grad, kept)
 
     # -- sampling and stepping ------------------------------------------------------------
 

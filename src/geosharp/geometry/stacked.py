@@ -16,6 +16,7 @@ geodesic to second order (``geodesic``); :class:`PairSpace` its implementation.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -235,16 +236,29 @@ def _row_starts(
     return start, _stacked(specs, side, lambda b: rows[id(b)][1])
 
 
-MAX_STACK = 1 << 23  # entries of a stack's blocks: bounds the temporaries of its maths
+def max_stack(device: torch.device | str) -> int:
+    """Block entries of one stack part on ``device``: what the batched maths of a part
+    makes at once. On a CPU, ``2^20`` (a part's block of 4 MiB in float32 stays in the
+    last-level cache while its products and copies read it again: a geodesic step on
+    BERT-base's pairs took 0.44-0.45 s at ``2^20``, 0.46-0.48 s at ``2^21``, 0.55 s at
+    ``2^22`` and 0.69-0.73 s at ``2^23``, ``benchmarks/loop_work.py``); elsewhere
+    ``2^23`` (fewer, larger kernels).
+
+    >>> max_stack("cpu"), max_stack("meta")
+    (1048576, 8388608)
+    """
+    return 1 << 20 if torch.device(device).type == "cpu" else 1 << 23
 
 
 def group_pairs(
-    pairs: Sequence[PairSpec], max_entries: int = MAX_STACK
+    pairs: Sequence[PairSpec], max_entries: int
 ) -> dict[tuple[int, int, int, str, int], list[PairSpec]]:
     """``{(n, m, h, group, part): pairs}``: the stacks, in the order of their first
     pair; pairs of one shape and group are cut into consecutive parts of at most
-    ``max_entries`` block entries (at least one pair each), so that what the batched
-    maths makes at once stays a bounded fraction of a large model.
+    ``max_entries`` block entries (:func:`max_stack`), so that what the batched maths
+    makes at once stays a bounded fraction of a large model and, on a CPU, in cache. A
+    pair of more entries is cut into near-equal runs of its heads first (one head at
+    least).
 
     >>> from types import SimpleNamespace as Pair  # (heads, n, m, h): 32 entries each
     >>> pairs = [Pair(shape=(2, 4, 4, 2), group="GL") for _ in range(3)]
@@ -253,7 +267,7 @@ def group_pairs(
     """
     groups: dict[tuple[int, int, int, str, int], list[PairSpec]] = {}
     sizes: dict[tuple[int, int, int, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
-    for pair in pairs:
+    for pair in (part for whole in pairs for part in _head_runs(whole, max_entries)):
         count, n, m, h = pair.shape
         shape = (n, m, h, pair.group)
         part, used = sizes[shape]
@@ -265,13 +279,24 @@ def group_pairs(
     return groups
 
 
+def _head_runs(pair: PairSpec, max_entries: int) -> list[PairSpec]:
+    """``pair`` cut into near-equal runs of heads of at most ``max_entries`` entries
+    each (a head at least); itself where it fits."""
+    count, n, m, h = pair.shape
+    runs = min(count, -(-count * (n + m) * h // max_entries))
+    if runs <= 1:
+        return [pair]
+    cuts = [count * i // runs for i in range(runs + 1)]
+    return [pair.take_heads(a, b) for a, b in itertools.pairwise(cuts)]
+
+
 def stack_pairs(
     pairs: Sequence[PairSpec], layout: ParameterLayout, device: torch.device
 ) -> list[StackedPairs]:
     """Group pairs by shape and symmetry group, in parts (:func:`group_pairs`)."""
     return [
         StackedPairs(specs, layout, torch.device(device), group=group)
-        for (*_, group, _part), specs in group_pairs(pairs).items()
+        for (*_, group, _part), specs in group_pairs(pairs, max_stack(device)).items()
     ]
 
 
@@ -384,6 +409,29 @@ class PairSpace:
                 sq = sq + dot(dx.reshape(-1), gx.reshape(-1), 1 << 22)
             block.scatter_(egrad, d)
         return sq if self.reduce is None else self.reduce(sq)
+
+    def ascent_(
+        self, xi: Tensor, grad: Tensor, saved: list[object], others: Sequence[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`pullback_` then :meth:`direction_` in one pass over each stack's blocks
+        (read once, written once): the gradient's pair entries become the ascent
+        direction ``d`` of the pulled-back gradient ``g``. Returns ``sum <d, g>`` and
+        ``<y, g>`` over the pair entries for each ``y`` of ``others`` (this process's
+        rows; not summed over processes)."""
+        sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+        dots = [torch.zeros_like(sq) for _ in others]
+        for block, kept in zip(self.blocks, saved):
+            x = block.gather(xi)
+            with block.state.reading(grad.dtype) as state:  # the base blocks read once
+                g = state.pullback(x, block.gather(grad), kept)
+                for j, y in enumerate(others):
+                    for yy, gg in zip(x if y is xi else block.gather(y), g):
+                        dots[j] = dots[j] + dot(yy.reshape(-1), gg.reshape(-1), 1 << 22)
+                d = state.direction(g)
+            for dd, gg in zip(d, g):
+                sq = sq + dot(dd.reshape(-1), gg.reshape(-1), 1 << 22)
+            block.scatter_(grad, d)
+        return sq, dots
 
     def sample(self, generator: torch.Generator | None) -> list[Blocks]:
         return [block.sample(generator) for block in self.blocks]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..geometry.space import PerturbationSpace
+from ..geometry.space import PerturbationSpace, Retraction
 
 
 class PointOverwritten(RuntimeError):
@@ -133,18 +133,27 @@ class _L2Ball:
         return space.proju_(xi.mul_(shrink.to(xi.dtype)))
 
     def step_(
-        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, point: Tensor | None
+        self,
+        xi: Tensor,
+        xi_prev: Tensor,
+        grad: Tensor,
+        saved: list,
+        eta: float,
+        a: float,
+        point: Tensor | None,
     ) -> tuple[Tensor, bool]:
-        """Overwrite ``grad`` with the next iterate (see :func:`auto_pgd`); where the
-        space allows, write the element-wise entries of its point into ``point`` in the
-        same pass (returned: whether it did)."""
+        """Overwrite ``grad``, the Euclidean gradient at ``xi``'s point (``saved``: its
+        retraction's), with the next iterate (see :func:`auto_pgd`); where the space
+        allows, write the element-wise entries of its point into ``point`` in the same
+        pass (returned: whether it did)."""
         space, rho = self.space, self.rho
         same = xi_prev is xi
+        step = Retraction(xi, saved)
         if same:
-            dd, (xd,) = space.direction_(grad, xi)
+            dd, (xd,) = space.ascent_(step, grad, xi)
             pd = xd
         else:
-            dd, (xd, pd) = space.direction_(grad, xi, xi_prev)
+            dd, (xd, pd) = space.ascent_(step, grad, xi, xi_prev)
         c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
         zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
         s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
@@ -191,8 +200,16 @@ class _Box:
         return self.space.clamp_box_(xi, self.rho)
 
     def step_(
-        self, xi: Tensor, xi_prev: Tensor, grad: Tensor, eta: float, a: float, point: Tensor | None
+        self,
+        xi: Tensor,
+        xi_prev: Tensor,
+        grad: Tensor,
+        saved: list,
+        eta: float,
+        a: float,
+        point: Tensor | None,
     ) -> tuple[Tensor, bool]:
+        self.space.pullback_(Retraction(xi, saved), grad)
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
@@ -229,7 +246,8 @@ def auto_pgd(
     ``loss_grad(point, out)`` returns the loss at the parameter vector ``point`` and
     writes its Euclidean gradient into the buffer ``out`` (returning it); it may keep no
     reference to either. The loop retracts (:meth:`PerturbationSpace.retr_`), pulls the
-    gradient back to the tangent (:meth:`PerturbationSpace.pullback_`) and steps.
+    gradient back to the tangent and turns it into the ascent direction
+    (:meth:`PerturbationSpace.ascent_`) and steps.
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
     Memory beyond the space and one training step (whose gradient buffer the point
@@ -259,9 +277,11 @@ def auto_pgd(
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
 
-    def evaluate(x: Tensor, i: int, point: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The loss and pulled-back gradient at ``x``; ``point``: a buffer whose
-        element-wise entries of the point the step wrote already."""
+    def evaluate(x: Tensor, i: int, point: Tensor | None = None) -> tuple[Tensor, Tensor, list]:
+        """The loss and Euclidean gradient at ``x``'s point, and what the retraction
+        saved for the pullback (done with the step, :meth:`PerturbationSpace.ascent_`);
+        ``point``: a buffer whose element-wise entries of the point the step wrote
+        already."""
         nonlocal shared
         written = point is not None
         point = buffers.take() if point is None else point
@@ -275,17 +295,18 @@ def auto_pgd(
             value, grad = loss_grad(point, buffers.take())
             buffers.give(point)
         notify("evaluated", i, x)
-        return value, space.pullback_(step, grad)
+        return value, grad, step.saved
 
     xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
     notify("start", 0, xi)
-    value, grad = evaluate(xi, 0)
+    value, grad, saved = evaluate(xi, 0)
     on_host = xi.device.type in _HOST_DEVICES
     # on the host the best point is the iterate itself where it is the best (no copy):
     # its buffer is kept, not recycled, until a better one replaces it
     best_value, best_xi = value, xi if on_host else xi.clone()
     best_grad = None if low_memory else grad.clone()
+    best_saved = saved
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
     xi_prev = xi
@@ -301,12 +322,12 @@ def auto_pgd(
         # the point's buffer: xi_prev's where nothing else holds it (read before written)
         free_prev = xi_prev is not xi and xi_prev is not best_xi
         point = xi_prev if free_prev else buffers.take()
-        new_xi, written = ball.step_(xi, xi_prev, grad, eta, a, point)
+        new_xi, written = ball.step_(xi, xi_prev, grad, saved, eta, a, point)
         if not written:
             buffers.give(point)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
-        new_value, grad = evaluate(xi, i + 1, point if written else None)
+        new_value, grad, saved = evaluate(xi, i + 1, point if written else None)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
@@ -319,10 +340,12 @@ def auto_pgd(
                 best_xi = xi
                 if best_grad is not None:  # the step writes over the gradient: a copy
                     best_grad.copy_(grad)
+                    best_saved = saved
         else:
             torch.where(improved, xi, best_xi, out=best_xi)
             if best_grad is not None:
                 torch.where(improved, grad, best_grad, out=best_grad)
+                best_saved = _where(improved, saved, best_saved)
         values.append(value)
         bests.append(best_value)
 
@@ -342,10 +365,10 @@ def auto_pgd(
                     xi.copy_(best_xi)
                     if best_grad is not None:
                         grad.copy_(best_grad)
-                        value = best_value
+                        value, saved = best_value, best_saved
                     else:
                         buffers.give(grad)
-                        value, grad = evaluate(xi, done)
+                        value, grad, saved = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)
             best_at_mark, last_mark = best_value, done
@@ -361,3 +384,13 @@ def auto_pgd(
         restarts=restarts,
     )
     return best_value, best_xi, trace
+
+
+def _where(cond: Tensor, new, old):
+    """``torch.where(cond, new, old)`` through the nested lists and tuples of tensors a
+    retraction saves (``None`` kept)."""
+    if isinstance(new, Tensor):
+        return torch.where(cond, new, old)
+    if isinstance(new, (list, tuple)):
+        return type(new)(_where(cond, a, b) for a, b in zip(new, old))
+    return new

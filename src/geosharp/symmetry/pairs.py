@@ -111,6 +111,13 @@ class Block:
             return Block.separable(param, *self._parts)
         return Block(param, self._index)
 
+    def take_heads(self, start: int, stop: int) -> Block:
+        """The block of heads ``start:stop`` only."""
+        if self._parts is not None:
+            k, r, c = self._parts
+            return Block.separable(self.param, k[start:stop], r, c)
+        return Block(self.param, self._index[start:stop])
+
     def __setattr__(self, name, value):
         raise AttributeError("Block is immutable")
 
@@ -277,6 +284,14 @@ class PairSpec:
     @property
     def params(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.param for b in self.g_blocks + self.h_blocks))
+
+    def take_heads(self, start: int, stop: int) -> PairSpec:
+        """The pairs of heads ``start:stop`` only (the same module and kind)."""
+        return replace(
+            self,
+            g_blocks=tuple(b.take_heads(start, stop) for b in self.g_blocks),
+            h_blocks=tuple(b.take_heads(start, stop) for b in self.h_blocks),
+        )
 
     @property
     def group_label(self) -> str:
