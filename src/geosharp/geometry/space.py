@@ -398,6 +398,15 @@ class PerturbationSpace:
                 saved = self.pairs.retr_(xi, out, straighten=self.elementwise.exp)
         return Retraction(xi, saved)
 
+    def retraction(self, xi: Tensor) -> Retraction:
+        """What :meth:`retr_` at ``xi`` saves for the pullback, made again without
+        writing a point (the pairs' ``h x h`` matrices)."""
+        saved: list[object] = []
+        if self.pairs is not None and self.geometry.geodesic_step:
+            with torch.no_grad():
+                saved = self.pairs.saved(xi, straighten=self.elementwise.exp)
+        return Retraction(xi, saved)
+
     def pullback_(self, step: Retraction, grad: Tensor) -> Tensor:
         """Turn ``grad``, the gradient at the point of ``step``, into the gradient with
         respect to its ``xi``, in place: the step is the identity but for the geodesic

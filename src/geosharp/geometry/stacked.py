@@ -238,11 +238,11 @@ def _row_starts(
 
 def max_stack(device: torch.device | str) -> int:
     """Block entries of one stack part on ``device``: what the batched maths of a part
-    makes at once. On a CPU, ``2^20`` (a part's block of 4 MiB in float32 stays in the
-    last-level cache while its products and copies read it again: a geodesic step on
-    BERT-base's pairs took 0.44-0.45 s at ``2^20``, 0.46-0.48 s at ``2^21``, 0.55 s at
-    ``2^22`` and 0.69-0.73 s at ``2^23``, ``benchmarks/loop_work.py``); elsewhere
-    ``2^23`` (fewer, larger kernels).
+    makes at once. On a CPU, ``2^20`` (a part's blocks, 4 MiB in float32, stay in the
+    last-level cache while a step's products and copies read them again: the loop's own
+    work on BERT-base's pairs took 0.47 s per step with parts of ``2^20`` entries against
+    0.68 s with ``2^23`` and 0.56 s with ``2^18``, ``docs/results/step_trend/``);
+    elsewhere ``2^23`` (fewer, larger kernels).
 
     >>> max_stack("cpu"), max_stack("meta")
     (1048576, 8388608)
@@ -458,6 +458,13 @@ class PairSpace:
             block.add_(out, accel, alpha=0.5)
             saved.append(kept)
         return saved
+
+    def saved(self, xi: Tensor, straighten: bool) -> list[object]:
+        """What :meth:`retr_` returns for :meth:`pullback_` at ``xi``, made again (nothing
+        written)."""
+        if straighten:
+            return [None for _ in self.blocks]
+        return [block.state.accelerate(block.gather(xi))[1] for block in self.blocks]
 
     def _straighten_(self, xi: Tensor, out: Tensor) -> None:
         params = self._params

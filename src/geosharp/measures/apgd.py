@@ -20,7 +20,9 @@ loss and its gradient together) and reads from the device once per checkpoint on
 Its parameter-sized buffers are recycled, never allocated per step: the point, whose
 gradient is written over it (one buffer for both, the training step's own), the
 perturbation ``xi``, its previous and best values, and the best point's gradient for
-a restart there. On the host the best value is the iterate's own buffer while it is the
+a restart there (its retraction's ``h x h`` matrices made again then: nothing small is
+kept from one step to the next, where it would pin the C heap under the next step's
+block temporaries). On the host the best value is the iterate's own buffer while it is the
 best (kept from recycling until a better one replaces it): no copy on an improving
 step. With ``low_memory=True`` the best point's gradient is not kept but recomputed
 when a restart goes back to a best point that is not the current one (one more
@@ -306,7 +308,6 @@ def auto_pgd(
     # its buffer is kept, not recycled, until a better one replaces it
     best_value, best_xi = value, xi if on_host else xi.clone()
     best_grad = None if low_memory else grad.clone()
-    best_saved = saved
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
     xi_prev = xi
@@ -323,6 +324,7 @@ def auto_pgd(
         free_prev = xi_prev is not xi and xi_prev is not best_xi
         point = xi_prev if free_prev else buffers.take()
         new_xi, written = ball.step_(xi, xi_prev, grad, saved, eta, a, point)
+        saved = None  # small, but kept it would pin the C heap under the next step's blocks
         if not written:
             buffers.give(point)
         xi_prev, xi = xi, new_xi
@@ -340,12 +342,10 @@ def auto_pgd(
                 best_xi = xi
                 if best_grad is not None:  # the step writes over the gradient: a copy
                     best_grad.copy_(grad)
-                    best_saved = saved
         else:
             torch.where(improved, xi, best_xi, out=best_xi)
             if best_grad is not None:
                 torch.where(improved, grad, best_grad, out=best_grad)
-                best_saved = _where(improved, saved, best_saved)
         values.append(value)
         bests.append(best_value)
 
@@ -364,8 +364,8 @@ def auto_pgd(
                 if not at_best:
                     xi.copy_(best_xi)
                     if best_grad is not None:
-                        grad.copy_(best_grad)
-                        value, saved = best_value, best_saved
+                        grad.copy_(best_grad)  # its retraction's matrices made again
+                        value, saved = best_value, space.retraction(xi).saved
                     else:
                         buffers.give(grad)
                         value, grad, saved = evaluate(xi, done)
@@ -384,13 +384,3 @@ def auto_pgd(
         restarts=restarts,
     )
     return best_value, best_xi, trace
-
-
-def _where(cond: Tensor, new, old):
-    """``torch.where(cond, new, old)`` through the nested lists and tuples of tensors a
-    retraction saves (``None`` kept)."""
-    if isinstance(new, Tensor):
-        return torch.where(cond, new, old)
-    if isinstance(new, (list, tuple)):
-        return type(new)(_where(cond, a, b) for a, b in zip(new, old))
-    return new
