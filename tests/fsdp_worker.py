@@ -289,6 +289,19 @@ def split_heads():
                     out[f"bert/{measure}/worst"][0],
                     geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
                 ]
+            # rotary pairs whose runs of one key/value head lie on one process only (the
+            # other holds no head of that stack)
+            rotary, data = llama(torch.float64, kv=2)
+            found = geosharp.find_symmetries(rotary, data[0], loss_fn=loss_fn)
+            plain_rotary = copy.deepcopy(rotary)
+            default_plan(rotary)
+            for measure in ("geodesic-inv", "geodesic-mix"):
+                kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
+                sharded.max_stack = stacked.max_stack = kept
+                one = alone(plain_rotary, data, loss_fn, measure, **kw)
+                sharded.max_stack = stacked.max_stack = lambda device: 1
+                many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
+                out[f"llama/runs/{measure}"] = [one, many]
             sharded.max_stack = stacked.max_stack = kept
         if name == "bert":  # no symmetries passed: found on the structure (meta device)
             # and checked on the sharded model, its units' weights all-gathered

@@ -103,11 +103,13 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     one on 2) and a LLaMA with one key/value head of 4 rows, float64 and bfloat16 (float32
     perturbations); each cut row is kept by one process and its entries moved through a
     buffer. Every case equals one process (also with every stack cut into runs of one
-    head, :func:`~geosharp.geometry.stacked.max_stack`), with the pairs found before sharding and on
-    the sharded model's structure, and the shards are unchanged afterwards. Pairs found
-    on the structure are checked on the sharded model (its attention units' weights
-    all-gathered): all verified, and a query squashed by a forward hook, which the
-    structure does not show, gets its pair refuted and dropped."""
+    head, :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value
+    heads each such run lies on one process, the other holding none), with the pairs
+    found before sharding and on the sharded model's structure, and the shards are
+    unchanged afterwards. Pairs found on the structure are checked on the sharded model
+    (its attention units' weights all-gathered): all verified, and a query squashed by a
+    forward hook, which the structure does not show, gets its pair refuted and
+    dropped."""
     from fsdp_worker import SPLIT, split_plan
 
     results = runs[nproc]["results"]["split"]
@@ -117,9 +119,10 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure, case in split_plan(name):
             one, many = results[f"{name}/{measure}/{case}"]
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
-    for measure in ("geodesic-inv", "geodesic-mix"):  # every stack cut into single heads
-        one, many = results[f"bert/runs/{measure}"]
-        assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), measure
+    for key in ("bert/runs", "llama/runs"):  # every stack cut into single heads
+        for measure in ("geodesic-inv", "geodesic-mix"):
+            one, many = results[f"{key}/{measure}"]
+            assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
     value, n_found, n_before, verified, unverified = results["bert/structure"]
     assert n_found == n_before == verified == 4 and unverified == []
     assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)

@@ -99,7 +99,7 @@ class SubgroupState(PairState):
         """``sum_a c_a E_a`` as dense ``(B, h, h)`` matrices."""
         h = self.h
         flat = (self.rows * h + self.cols).reshape(-1)
-        values = (c.unsqueeze(-1) * self.signs).reshape(*c.shape[:-1], -1)
+        values = (c.unsqueeze(-1) * self.signs).flatten(-2)  # also for no heads
         out = torch.zeros(*c.shape[:-1], h * h, dtype=c.dtype, device=c.device)
         return out.index_add(-1, flat.to(c.device), values).view(*c.shape[:-1], h, h)
 
