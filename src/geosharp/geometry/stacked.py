@@ -206,6 +206,19 @@ class StackedPairs:
         )
 
 
+def _dot(a: Blocks, b: Blocks) -> Tensor:
+    """The Euclidean ``<a, b>`` of two pairs of blocks (float64, 0-d)."""
+    return sum(dot(x.reshape(-1), y.reshape(-1), 1 << 22) for x, y in zip(a, b))
+
+
+def _direction_into(block: StackedPairs, state: PairState, g: Blocks, flat: Tensor) -> Tensor:
+    """Write the ascent direction ``d`` of the blocks ``g`` into ``block``'s entries of
+    ``flat``; returns ``<d, g>``."""
+    d = state.direction(g)
+    block.scatter_(flat, d)
+    return _dot(d, g)
+
+
 def _along_rows(located: list, h: int) -> int:
     """The entries of ``located`` segments whose rows step by one (a head's columns are
     rows of its weight)."""
@@ -403,11 +416,7 @@ class PairSpace:
         ascent direction ``d``, one stack at a time; returns ``sum <d, g>``."""
         sq = torch.zeros((), dtype=torch.float64, device=egrad.device)
         for block in self.blocks:
-            g = block.gather(egrad)
-            d = block.state.direction(g)
-            for dx, gx in zip(d, g):
-                sq = sq + dot(dx.reshape(-1), gx.reshape(-1), 1 << 22)
-            block.scatter_(egrad, d)
+            sq = sq + _direction_into(block, block.state, block.gather(egrad), egrad)
         return sq if self.reduce is None else self.reduce(sq)
 
     def ascent_(
@@ -425,12 +434,8 @@ class PairSpace:
             with block.state.reading(grad.dtype) as state:  # the base blocks read once
                 g = state.pullback(x, block.gather(grad), kept)
                 for j, y in enumerate(others):
-                    for yy, gg in zip(x if y is xi else block.gather(y), g):
-                        dots[j] = dots[j] + dot(yy.reshape(-1), gg.reshape(-1), 1 << 22)
-                d = state.direction(g)
-            for dd, gg in zip(d, g):
-                sq = sq + dot(dd.reshape(-1), gg.reshape(-1), 1 << 22)
-            block.scatter_(grad, d)
+                    dots[j] = dots[j] + _dot(x if y is xi else block.gather(y), g)
+                sq = sq + _direction_into(block, state, g, grad)
         return sq, dots
 
     def sample(self, generator: torch.Generator | None) -> list[Blocks]:

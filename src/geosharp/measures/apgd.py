@@ -136,21 +136,19 @@ class _L2Ball:
 
     def step_(
         self,
-        xi: Tensor,
+        step: Retraction,
         xi_prev: Tensor,
         grad: Tensor,
-        saved: list,
         eta: float,
         a: float,
         point: Tensor | None,
     ) -> tuple[Tensor, bool]:
-        """Overwrite ``grad``, the Euclidean gradient at ``xi``'s point (``saved``: its
-        retraction's), with the next iterate (see :func:`auto_pgd`); where the space
-        allows, write the element-wise entries of its point into ``point`` in the same
-        pass (returned: whether it did)."""
-        space, rho = self.space, self.rho
+        """Overwrite ``grad``, the Euclidean gradient at the point of ``step`` (the
+        retraction of ``xi = step.xi``), with the next iterate (see :func:`auto_pgd`);
+        where the space allows, write the element-wise entries of its point into
+        ``point`` in the same pass (returned: whether it did)."""
+        space, rho, xi = self.space, self.rho, step.xi
         same = xi_prev is xi
-        step = Retraction(xi, saved)
         if same:
             dd, (xd,) = space.ascent_(step, grad, xi)
             pd = xd
@@ -203,15 +201,15 @@ class _Box:
 
     def step_(
         self,
-        xi: Tensor,
+        step: Retraction,
         xi_prev: Tensor,
         grad: Tensor,
-        saved: list,
         eta: float,
         a: float,
         point: Tensor | None,
     ) -> tuple[Tensor, bool]:
-        self.space.pullback_(Retraction(xi, saved), grad)
+        xi = step.xi
+        self.space.pullback_(step, grad)
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
         self.project_(z)
         if a != 1.0:
@@ -279,9 +277,11 @@ def auto_pgd(
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
 
-    def evaluate(x: Tensor, i: int, point: Tensor | None = None) -> tuple[Tensor, Tensor, list]:
-        """The loss and Euclidean gradient at ``x``'s point, and what the retraction
-        saved for the pullback (done with the step, :meth:`PerturbationSpace.ascent_`);
+    def evaluate(
+        x: Tensor, i: int, point: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Retraction]:
+        """The loss and Euclidean gradient at ``x``'s point, and its retraction (for the
+        pullback, done with the step: :meth:`PerturbationSpace.ascent_`);
         ``point``: a buffer whose element-wise entries of the point the step wrote
         already."""
         nonlocal shared
@@ -297,12 +297,12 @@ def auto_pgd(
             value, grad = loss_grad(point, buffers.take())
             buffers.give(point)
         notify("evaluated", i, x)
-        return value, grad, step.saved
+        return value, grad, step
 
     xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
     ball.start(None if xi0 is None else xi)
     notify("start", 0, xi)
-    value, grad, saved = evaluate(xi, 0)
+    value, grad, step = evaluate(xi, 0)
     on_host = xi.device.type in _HOST_DEVICES
     # on the host the best point is the iterate itself where it is the best (no copy):
     # its buffer is kept, not recycled, until a better one replaces it
@@ -323,13 +323,13 @@ def auto_pgd(
         # the point's buffer: xi_prev's where nothing else holds it (read before written)
         free_prev = xi_prev is not xi and xi_prev is not best_xi
         point = xi_prev if free_prev else buffers.take()
-        new_xi, written = ball.step_(xi, xi_prev, grad, saved, eta, a, point)
-        saved = None  # small, but kept it would pin the C heap under the next step's blocks
+        new_xi, written = ball.step_(step, xi_prev, grad, eta, a, point)
+        step = None  # its h x h matrices, kept, would pin the C heap under later blocks
         if not written:
             buffers.give(point)
         xi_prev, xi = xi, new_xi
         notify("step", i + 1, xi)
-        new_value, grad, saved = evaluate(xi, i + 1, point if written else None)
+        new_value, grad, step = evaluate(xi, i + 1, point if written else None)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
@@ -365,10 +365,10 @@ def auto_pgd(
                     xi.copy_(best_xi)
                     if best_grad is not None:
                         grad.copy_(best_grad)  # its retraction's matrices made again
-                        value, saved = best_value, space.retraction(xi).saved
+                        value, step = best_value, space.retraction(xi)
                     else:
                         buffers.give(grad)
-                        value, grad, saved = evaluate(xi, done)
+                        value, grad, step = evaluate(xi, done)
                 ball.restart(best_sq)
                 restarts.append(done)
             best_at_mark, last_mark = best_value, done
