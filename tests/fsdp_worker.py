@@ -77,18 +77,25 @@ MEASURES = {
 
 
 BASE_READS = [0]  # calls of ShardedStack.read_params: the pair states reading their blocks
+HELD = [0]  # stacks with rows here, none cut, whose pair states hold a copy of their blocks
 
 
 def _count_base_reads() -> None:
     from geosharp.geometry.sharded import ShardedStack
 
-    read = ShardedStack.read_params
+    read, reader = ShardedStack.read_params, ShardedStack.base_reader
 
     def counted(self, *args, **kwargs):
         BASE_READS[0] += 1
         return read(self, *args, **kwargs)
 
-    ShardedStack.read_params = counted
+    def held(self, params):
+        out = reader(self, params)
+        uncut = all(x is None for x in self.exchange)
+        HELD[0] += out is None and uncut and self.shapes[0][0] > 0
+        return out
+
+    ShardedStack.read_params, ShardedStack.base_reader = counted, held
 
 
 def plan(name: str) -> list[tuple[str, str]]:
@@ -295,14 +302,21 @@ def split_heads():
             found = geosharp.find_symmetries(rotary, data[0], loss_fn=loss_fn)
             plain_rotary = copy.deepcopy(rotary)
             default_plan(rotary)
+            # and whole stacks (both layers in one, a key/value head's query rows held
+            # by one process): no pair state holds a copy of its blocks either way
+            held = {"whole": 0, "runs": 0}
             for measure in ("geodesic-inv", "geodesic-mix"):
                 kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
                 sharded.max_stack = stacked.max_stack = kept
                 one = alone(plain_rotary, data, loss_fn, measure, **kw)
-                sharded.max_stack = stacked.max_stack = lambda device: 1
-                many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
-                out[f"llama/runs/{measure}"] = [one, many]
+                for key, size in (("whole", kept), ("runs", lambda device: 1)):
+                    sharded.max_stack = stacked.max_stack = size
+                    before_held = HELD[0]
+                    many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
+                    held[key] += HELD[0] - before_held
+                    out[f"llama/{key}/{measure}"] = [one, many]
             sharded.max_stack = stacked.max_stack = kept
+            out["llama/held"] = held
         if name == "bert":  # no symmetries passed: found on the structure (meta device)
             # and checked on the sharded model, its units' weights all-gathered
             kw = dict(rho=rho, **CASES["worst"])
@@ -454,9 +468,9 @@ def main():
         for measure, case in plan(name):
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
-            reads = BASE_READS[0]
+            reads, held = BASE_READS[0], HELD[0]
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
-            reads = BASE_READS[0] - reads
+            reads, held = BASE_READS[0] - reads, HELD[0] - held
             if rank != 0:  # the one-process references (and the results) are rank 0's
                 continue
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
@@ -464,7 +478,7 @@ def main():
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
-                "base reads": reads,
+                "base reads": reads, "held": held,
             }  # fmt: skip
             if wide is not None:
                 kw["symmetries"] = symmetries  # found on the half-precision model

@@ -86,6 +86,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
             assert case["world"] == nproc, key
             # no head cut here: the pair states read their blocks from the shards where used
             assert (case["base reads"] > 0) == key.split("/")[1].startswith("geodesic"), key
+            assert case["held"] == 0, key
             assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-12)
             for one, many in zip(case["one"], case["many"], strict=True):
                 assert abs(many - one) <= tol * abs(one), (key, one, many)
@@ -104,7 +105,10 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     perturbations); each cut row is kept by one process and its entries moved through a
     buffer. Every case equals one process (also with every stack cut into runs of one
     head, :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value
-    heads each such run lies on one process, the other holding none), with the pairs
+    heads each such run lies on one process, the other holding none; there, on 2
+    processes, whole stacks and runs alike read their blocks from the shards where used,
+    none holding a copy, even a run of which one side lies wholly on the other process
+    or a stack of both layers), with the pairs
     found before sharding and on the sharded model's structure, and the shards are
     unchanged afterwards. Pairs found on the structure are checked on the sharded model
     (its attention units' weights all-gathered): all verified, and a query squashed by a
@@ -119,10 +123,12 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure, case in split_plan(name):
             one, many = results[f"{name}/{measure}/{case}"]
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
-    for key in ("bert/runs", "llama/runs"):  # every stack cut into single heads
+    for key in ("bert/runs", "llama/runs", "llama/whole"):  # runs: single heads
         for measure in ("geodesic-inv", "geodesic-mix"):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
+    if nproc == 2:  # no row cut: every pair state reads its blocks from the shards
+        assert results["llama/held"] == {"whole": 0, "runs": 0}
     value, n_found, n_before, verified, unverified = results["bert/structure"]
     assert n_found == n_before == verified == 4 and unverified == []
     assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)

@@ -370,7 +370,11 @@ def _held_segments(index: Tensor) -> list | None:
     """Strided views (:func:`~geosharp.layout.strided_segments`) of the held rows of a
     local ``(B, n, h)`` index whose phantom rows are ``-1``, or ``None``. Phantom rows
     get distinct, increasing negative positions, so that they form segments of their
-    own (never merged with held rows), which are then left out."""
+    own (never merged with held rows), which are then left out. A side of which no row
+    is held here (a run of heads whose other side lies on other processes) has no
+    segment: nothing to read."""
+    if index.numel() == 0:
+        return []
     index = index.cpu()
     phantom = index[..., 0] < 0
     if bool(phantom.any()):
