@@ -376,6 +376,13 @@ def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = No
     return "\n".join(measured) + "\n\n" + "\n".join(projected)
 
 
+def _max_stack(entries: int) -> None:
+    """Stack parts of ``entries`` block entries, one process or sharded."""
+    from geosharp.geometry import sharded, stacked
+
+    sharded.max_stack = stacked.max_stack = lambda device, sharded=False: entries
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -404,8 +411,16 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=None, help=f"the 1.1B shape this deep ({SHAPE['layers']})"
     )
+    parser.add_argument(
+        "--max-stack",
+        type=int,
+        default=None,
+        help="block entries per stack part instead of geosharp.geometry.stacked.max_stack's",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.max_stack:
+        _max_stack(args.max_stack)
     if args.one and args.fsdp:
         row = sharded_one(args.one, args.tokens, args.low_memory, args.plan, args.layers)
         if row is not None:
@@ -434,6 +449,7 @@ def main() -> None:
             [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),
              *(["--low-memory"] if args.low_memory else []),
              *(["--layers", str(args.layers)] if args.layers else []),
+             *(["--max-stack", str(args.max_stack)] if args.max_stack else []),
              *(["--fsdp", "--plan", args.plan] if args.fsdp else [])],
             capture_output=True, text=True, env=env,
         )  # fmt: skip
@@ -441,6 +457,8 @@ def main() -> None:
             sys.exit(f"{mode} failed:\n{done.stderr}")
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append({**row, "mmap_threshold": args.mmap_threshold})
+        if args.max_stack:
+            rows[-1]["max_stack"] = args.max_stack
     step = rows[0]
     for r in rows:
         # one float32 vector of the perturbed (of this process's slices, when sharded)

@@ -289,7 +289,7 @@ def split_heads():
             from geosharp.geometry import sharded, stacked
 
             kept = stacked.max_stack
-            sharded.max_stack = stacked.max_stack = lambda device: 1
+            sharded.max_stack = stacked.max_stack = lambda device, sharded=False: 1
             for measure in ("geodesic-inv", "geodesic-mix"):
                 kw = dict(rho=rho, symmetries=symmetries, **CASES["worst"])
                 out[f"bert/runs/{measure}"] = [
@@ -309,7 +309,7 @@ def split_heads():
                 kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
                 sharded.max_stack = stacked.max_stack = kept
                 one = alone(plain_rotary, data, loss_fn, measure, **kw)
-                for key, size in (("whole", kept), ("runs", lambda device: 1)):
+                for key, size in (("whole", kept), ("runs", lambda device, sharded=False: 1)):
                     sharded.max_stack = stacked.max_stack = size
                     before_held = HELD[0]
                     many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value

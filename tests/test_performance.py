@@ -118,7 +118,7 @@ def test_stacks_cut_into_runs_of_heads_give_the_same_values(architecture, monkey
         m: geosharp.sharpness(case.model, data, case.loss_fn, m, 0.05, **kw).value
         for m in ("geodesic-inv", "geodesic-mix")
     }
-    monkeypatch.setattr(stacked, "max_stack", lambda device: 1)
+    monkeypatch.setattr(stacked, "max_stack", lambda device, sharded=False: 1)
     layout = ParameterLayout.from_named(list(case.model.named_parameters()))
     stacks = stack_pairs(pairs, layout, torch.device("cpu"))
     assert len(stacks) == sum(p.shape[0] for p in pairs)

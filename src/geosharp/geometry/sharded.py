@@ -389,14 +389,15 @@ def _held_segments(index: Tensor) -> list | None:
 
 
 def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) -> list[ShardedStack]:
-    """The local rows of every stack of ``pairs`` (stacked as one process stacks them,
+    """The local rows of every stack of ``pairs`` (stacked alike on every process, in
+    parts of :func:`~geosharp.geometry.stacked.max_stack` entries for a sharded space,
     so that the ``h x h`` sums of a head line up on every process). Positions are
     worked out one pair at a time (no global index of a whole stack is made). A row cut
     across processes is kept by the lowest-ranked process holding an entry of it, its
     entries moved through a :class:`Split` buffer (one all-reduce per pair and side
     finds those rows)."""
     out = []
-    stacks = group_pairs(pairs, max_stack(device))  # as stack_pairs stacks them
+    stacks = group_pairs(pairs, max_stack(device, sharded=True))  # the same on every process
     for (n, m, _, group, _part), specs in stacks.items():
         sides, rows, exchange = [], [], []
         for side in ("g_blocks", "h_blocks"):

@@ -249,18 +249,23 @@ def _row_starts(
     return start, _stacked(specs, side, lambda b: rows[id(b)][1])
 
 
-def max_stack(device: torch.device | str) -> int:
+def max_stack(device: torch.device | str, sharded: bool = False) -> int:
     """Block entries of one stack part on ``device``: what the batched maths of a part
     makes at once. On a CPU, ``2^20`` (a part's blocks, 4 MiB in float32, stay in the
     last-level cache while a step's products and copies read them again: the loop's own
     work on BERT-base's pairs took 0.47 s per step with parts of ``2^20`` entries against
     0.68 s with ``2^23`` and 0.56 s with ``2^18``, ``docs/results/step_trend/``);
-    elsewhere ``2^23`` (fewer, larger kernels).
+    elsewhere, and for a ``sharded`` space everywhere, ``2^23``. A part is cut by heads,
+    and a plan that places whole heads on processes (FSDP2's ``Shard(0)``) leaves a small
+    part on one process only, whose collectives the others wait for: the 1.1B LLaMA's
+    geodesic-inv on 2 CPU processes took 6.2-6.4 s per evaluation at 6 layers with
+    ``2^20`` against 5.2-5.4 s with ``2^23`` (no difference with rows split across the
+    processes; ``docs/results/llama_bf16/stack_parts_sharded.log``).
 
-    >>> max_stack("cpu"), max_stack("meta")
-    (1048576, 8388608)
+    >>> max_stack("cpu"), max_stack("meta"), max_stack("cpu", sharded=True)
+    (1048576, 8388608, 8388608)
     """
-    return 1 << 20 if torch.device(device).type == "cpu" else 1 << 23
+    return 1 << 20 if torch.device(device).type == "cpu" and not sharded else 1 << 23
 
 
 def group_pairs(
