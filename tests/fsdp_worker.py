@@ -303,7 +303,7 @@ def split_heads():
             plain_rotary = copy.deepcopy(rotary)
             default_plan(rotary)
             # and whole stacks (both layers in one, a key/value head's query rows held
-            # by one process): no pair state holds a copy of its blocks either way
+            # by one process); counted: the pair states that hold a copy of their blocks
             held = {"whole": 0, "runs": 0}
             for measure in ("geodesic-inv", "geodesic-mix"):
                 kw = dict(rho=0.05, symmetries=found, **CASES["worst"])

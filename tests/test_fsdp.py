@@ -106,9 +106,8 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     buffer. Every case equals one process (also with every stack cut into runs of one
     head, :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value
     heads each such run lies on one process, the other holding none; there, on 2
-    processes, whole stacks and runs alike read their blocks from the shards where used,
-    none holding a copy, even a run of which one side lies wholly on the other process
-    or a stack of both layers), with the pairs
+    processes, every run reads its blocks from the shards where used, none holding a
+    copy, even a run of which one side lies wholly on the other process), with the pairs
     found before sharding and on the sharded model's structure, and the shards are
     unchanged afterwards. Pairs found on the structure are checked on the sharded model
     (its attention units' weights all-gathered): all verified, and a query squashed by a
@@ -127,8 +126,8 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure in ("geodesic-inv", "geodesic-mix"):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
-    if nproc == 2:  # no row cut: every pair state reads its blocks from the shards
-        assert results["llama/held"] == {"whole": 0, "runs": 0}
+    if nproc == 2:  # no row cut: every run's pair state reads its blocks from the shards
+        assert results["llama/held"]["runs"] == 0
     value, n_found, n_before, verified, unverified = results["bert/structure"]
     assert n_found == n_before == verified == 4 and unverified == []
     assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)

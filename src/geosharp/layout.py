@@ -197,47 +197,28 @@ def locate_segments(
     """Each segment of a flat vector of ``layout`` as ``(segment, name)``, its offset
     counted in the parameter ``name`` it lies in (:func:`read_located`): a segment whose
     rows run on into the next parameter (a weight's rows, then its bias row) is cut
-    there, and one whose blocks lie in different parameters (the same pair of each
-    layer) is cut into its blocks. ``None`` where a row leaves its parameter.
+    there. ``None`` where a row leaves its parameter.
 
     >>> layout = ParameterLayout.from_named([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
     >>> locate_segments([(0, 1, 0, 3, 0, 0, 3, 1)], layout, 3)  # two weight rows, a bias row
     [((0, 1, 0, 2, 0, 0, 3, 1), 'w'), ((0, 1, 2, 1, 0, 0, 3, 1), 'b')]
-    >>> layout = ParameterLayout.from_named([("w1", torch.zeros(2, 3)), ("w2", torch.zeros(2, 3))])
-    >>> locate_segments([(0, 2, 0, 2, 0, 6, 3, 1)], layout, 3)  # one block in each weight
-    [((0, 1, 0, 2, 0, 6, 3, 1), 'w1'), ((1, 1, 0, 2, 0, 6, 3, 1), 'w2')]
     """
     out = []
-    for seg in segments:
-        located = _locate(seg, layout, h)
-        b0, nb, r0, nr, offset, sb, sr, sc = seg
-        if located is None and nb > 1:
-            blocks = [(b0 + b, 1, r0, nr, offset + b * sb, sb, sr, sc) for b in range(nb)]
-            pieces = [_locate(block, layout, h) for block in blocks]
-            located = None if None in pieces else [x for p in pieces for x in p]  # type: ignore[union-attr]
-        if located is None:
-            return None
-        out += located
-    return out
-
-
-def _locate(seg: Segment, layout: ParameterLayout, h: int) -> list[tuple[Segment, str]] | None:
-    """:func:`locate_segments` of one segment, its blocks taken together."""
-    b0, nb, r0, nr, offset, sb, sr, sc = seg
-    span = (nb - 1) * sb + (h - 1) * sc  # from a row's first entry to its last
-    out, r = [], 0
-    while r < nr:
-        first = offset + r * sr
-        i = bisect.bisect_right(layout.offsets, first) - 1
-        if i < 0:
-            return None
-        start = layout.offsets[i]
-        stop = start + math.prod(layout.shapes[i])
-        if first + span >= stop:
-            return None
-        rows = nr - r if sr == 0 else min(nr - r, (stop - 1 - span - first) // sr + 1)
-        out.append(((b0, nb, r0 + r, rows, first - start, sb, sr, sc), layout.names[i]))
-        r += rows
+    for b0, nb, r0, nr, offset, sb, sr, sc in segments:
+        span = (nb - 1) * sb + (h - 1) * sc  # from a row's first entry to its last
+        r = 0
+        while r < nr:
+            first = offset + r * sr
+            i = bisect.bisect_right(layout.offsets, first) - 1
+            if i < 0:
+                return None
+            start = layout.offsets[i]
+            stop = start + math.prod(layout.shapes[i])
+            if first + span >= stop:
+                return None
+            rows = nr - r if sr == 0 else min(nr - r, (stop - 1 - span - first) // sr + 1)
+            out.append(((b0, nb, r0 + r, rows, first - start, sb, sr, sc), layout.names[i]))
+            r += rows
     return out
 
 
