@@ -289,7 +289,11 @@ def split_heads():
             from geosharp.geometry import sharded, stacked
 
             kept = stacked.max_stack
-            sharded.max_stack = stacked.max_stack = lambda device, sharded=False: 1
+
+            def one_head(device, sharded=False):
+                return 1
+
+            sharded.max_stack = stacked.max_stack = one_head
             for measure in ("geodesic-inv", "geodesic-mix"):
                 kw = dict(rho=rho, symmetries=symmetries, **CASES["worst"])
                 out[f"bert/runs/{measure}"] = [
@@ -303,17 +307,17 @@ def split_heads():
             plain_rotary = copy.deepcopy(rotary)
             default_plan(rotary)
             # and whole stacks (both layers in one, a key/value head's query rows held
-            # by one process); counted: the pair states that hold a copy of their blocks
-            held = {"whole": 0, "runs": 0}
+            # by one process); counted: the runs' pair states that hold their blocks
+            held = 0
             for measure in ("geodesic-inv", "geodesic-mix"):
                 kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
                 sharded.max_stack = stacked.max_stack = kept
                 one = alone(plain_rotary, data, loss_fn, measure, **kw)
-                for key, size in (("whole", kept), ("runs", lambda device, sharded=False: 1)):
+                for key, size in (("whole", kept), ("runs", one_head)):
                     sharded.max_stack = stacked.max_stack = size
-                    before_held = HELD[0]
+                    held_before = HELD[0]
                     many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
-                    held[key] += HELD[0] - before_held
+                    held += (HELD[0] - held_before) if key == "runs" else 0
                     out[f"llama/{key}/{measure}"] = [one, many]
             sharded.max_stack = stacked.max_stack = kept
             out["llama/held"] = held

@@ -127,7 +127,7 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
     if nproc == 2:  # no row cut: every run's pair state reads its blocks from the shards
-        assert results["llama/held"]["runs"] == 0
+        assert results["llama/held"] == 0
     value, n_found, n_before, verified, unverified = results["bert/structure"]
     assert n_found == n_before == verified == 4 and unverified == []
     assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)
