@@ -9,7 +9,8 @@ and 4 processes (``torchrun``, gloo on the CPU, one thread each).
                                  # FSDP2's default plan, which cuts every other head
 
 For every number of processes and every measure (adaptive, ``geodesic-inv``,
-``geodesic-mix``; default mode and ``low_memory=True``) one fresh ``torchrun`` launch
+``geodesic-mix``; geosharp's Auto-PGD and the reference's restart, which keeps the best
+point's gradient: ``--modes default,kept-gradient``) one fresh ``torchrun`` launch
 shards the model with :func:`geosharp.fsdp.shard` (``--plan rows``: every pair row on
 one process) or with FSDP2's default plan, ``Shard(0)`` of each layer and then the root
 (``--plan default``: with more processes than heads divide into, rows are cut and move
@@ -132,17 +133,19 @@ def child(args) -> None:
             if event == "evaluate":
                 starts.append(time.perf_counter())
 
-        geosharp.sharpness(
-            model,
-            [data],
-            loss_fn,
-            args.mode,
-            rho=MEASURES[args.mode],
-            low_memory=args.low_memory,
-            symmetries=symmetries,
-            callback=callback,
-            estimator=geosharp.WorstCase(n_iters=args.n_iters),
-        )
+        from reference import restart_rule
+
+        with restart_rule(args.kept_gradient):
+            geosharp.sharpness(
+                model,
+                [data],
+                loss_fn,
+                args.mode,
+                rho=MEASURES[args.mode],
+                symmetries=symmetries,
+                callback=callback,
+                estimator=geosharp.WorstCase(n_iters=args.n_iters),
+            )
         steps = [b - a for a, b in itertools.pairwise(starts)]
         record["step"] = statistics.median(steps)
     record["rise"] = _rss_status()["VmHWM"] - base
@@ -162,7 +165,7 @@ def launch(nproc: int, mode: str, args) -> list[dict]:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1", f"--master_port={29600 + nproc}",
         __file__, "--child", mode, "--model", args.model, "--n-iters", str(args.n_iters),
-        "--plan", args.plan, *(["--low-memory"] if args.low_memory else []),
+        "--plan", args.plan, *(["--kept-gradient"] if args.kept_gradient else []),
     ]  # fmt: skip
     for _ in range(2):  # gloo sometimes aborts a process at exit, after the results
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -193,10 +196,16 @@ def main() -> None:
         help="geosharp.fsdp.shard's plan (rows whole) or FSDP2's default Shard(0)",
     )
     parser.add_argument("--measures", default=",".join(MEASURES), help="measures to run")
-    parser.add_argument("--modes", default="default,low_memory", help="default, low_memory or both")
+    parser.add_argument(
+        "--modes",
+        default="default,kept-gradient",
+        help="default (geosharp's Auto-PGD), kept-gradient (the reference's restart) or both",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kept-gradient", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from reference import rule_name
+
     args.model = args.model or ("quick" if args.quick else "bert-384")
     if args.child:
         args.mode = args.child
@@ -207,13 +216,12 @@ def main() -> None:
         f"model {args.model}, plan {args.plan}, {args.n_iters} Auto-PGD steps, gloo, one "
         "thread per process" + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
     )
-    print("processes  measure          mode        buffers/process  step/fwd+bwd")
+    print("processes  measure          mode           buffers/process  step/fwd+bwd")
     for nproc in [int(n) for n in args.nproc.split(",")]:
         train = launch(nproc, "train", args)
         for measure in args.measures.split(","):
-            lows = [m == "low_memory" for m in args.modes.split(",")]
-            for low in lows:
-                args.low_memory = low
+            for mode in args.modes.split(","):
+                args.kept_gradient = mode == "kept-gradient"
                 parts = launch(nproc, measure, args)
                 buffers = max(
                     (p["rise"] - t["rise"]) / p["local_bytes"] for p, t in zip(parts, train)
@@ -222,7 +230,7 @@ def main() -> None:
                 row = {
                     "processes": nproc,
                     "measure": measure,
-                    "low_memory": low,
+                    "restart": rule_name(args.kept_gradient),
                     "buffers_per_process": round(buffers, 2),
                     "step_over_forward_backward": round(ratio, 3),
                     "local_parameter_bytes": max(p["local_bytes"] for p in parts),
@@ -230,8 +238,7 @@ def main() -> None:
                     "train": train,
                 }
                 rows.append(row)
-                mode = "low_memory" if low else "default"
-                print(f"{nproc:9d}  {measure:15s}  {mode:10s}  {buffers:15.2f}  {ratio:12.2f}")
+                print(f"{nproc:9d}  {measure:15s}  {mode:13s}  {buffers:15.2f}  {ratio:12.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps({"model": args.model, "n_iters": args.n_iters,
                                         "plan": args.plan,

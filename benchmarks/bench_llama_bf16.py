@@ -2,9 +2,9 @@
 the CPU: memory in float32 buffers of the perturbed parameters, and time per Auto-PGD
 step against one forward+backward.
 
-    python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128] [--low-memory]
+    python benchmarks/bench_llama_bf16.py [--json out.json] [--tokens 128] [--kept-gradient]
     python benchmarks/bench_llama_bf16.py --fsdp [--plan rows] --json fsdp.json
-    python benchmarks/bench_llama_bf16.py --report out.json --sharded-report fsdp.json
+    python benchmarks/bench_llama_bf16.py --report a.json [b.json ...] --sharded-report fsdp.json
 
 The shape is TinyLlama-1.1B's (22 layers, width 2048, 32 query and 4 key/value heads,
 MLP 5632, vocabulary 32,000), random weights in bfloat16, one batch of ``--tokens``
@@ -189,7 +189,7 @@ def warm_up(model, ids, attention: list[str]) -> None:
 
 
 def sharded_one(
-    mode: str, tokens: int, low_memory: bool, plan: str, layers: int | None = None
+    mode: str, tokens: int, kept_gradient: bool, plan: str, layers: int | None = None
 ) -> dict | None:
     """One process of a 2-process FSDP2 run (``torchrun``, gloo, one thread each): the
     row of rank 0, with the largest growth over the processes."""
@@ -200,6 +200,7 @@ def sharded_one(
 
     import geosharp
     from geosharp import distributed as gd
+    from reference import restart_rule, rule_name
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -213,7 +214,7 @@ def sharded_one(
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, local_perturbed=local, tokens=tokens, processes=world)
     row.update(layers=model.config.num_hidden_layers)
-    row.update(low_memory=low_memory, plan=plan)
+    row.update(restart=rule_name(kept_gradient), plan=plan)
     if mode == "step":
         times = []
         for _ in range(3):
@@ -233,10 +234,11 @@ def sharded_one(
                 stamps.append(time.perf_counter())
 
         n_iters = 3
-        result = geosharp.sharpness(
-            model, [ids], loss, mode, None, geosharp.WorstCase(n_iters=n_iters),
-            callback=callback, low_memory=low_memory,
-        )  # fmt: skip
+        with restart_rule(kept_gradient):
+            result = geosharp.sharpness(
+                model, [ids], loss, mode, None, geosharp.WorstCase(n_iters=n_iters),
+                callback=callback,
+            )  # fmt: skip
         gaps = [b - a for a, b in itertools.pairwise(stamps)]
         row.update(
             seconds=statistics.median(gaps),
@@ -257,12 +259,13 @@ def sharded_one(
     return row if rank == 0 else None
 
 
-def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = None) -> dict:
+def one(mode: str, tokens: int, kept_gradient: bool = False, layers: int | None = None) -> dict:
     import warnings
 
     import torch
 
     import geosharp
+    from reference import restart_rule, rule_name
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
@@ -272,7 +275,8 @@ def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = N
 
     loaded = _rss_mib()
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
-    row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded, low_memory=low_memory)
+    row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded)
+    row.update(restart=rule_name(kept_gradient))
     row.update(layers=model.config.num_hidden_layers)
     if mode == "step":
         for n, p in model.named_parameters():
@@ -293,9 +297,8 @@ def one(mode: str, tokens: int, low_memory: bool = False, layers: int | None = N
 
     n_iters = 3
     estimator = geosharp.WorstCase(n_iters=n_iters)
-    result = geosharp.sharpness(
-        model, [ids], loss, mode, None, estimator, callback=callback, low_memory=low_memory
-    )
+    with restart_rule(kept_gradient):
+        result = geosharp.sharpness(model, [ids], loss, mode, None, estimator, callback=callback)
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     row.update(
         seconds=statistics.median(gaps),
@@ -318,6 +321,21 @@ PROJECTED = {
     "LLaMA-2-7B": (6.74e9, 2.147e9, 32, 4096),
     "LLaMA-2-70B": (68.98e9, 12.08e9, 80, 8192),
 }
+
+
+MEDIAN_OF = ("peak_growth_mib", "buffers_beyond_step", "seconds", "step_over_forward_backward")
+"""The columns that :func:`median_rows` takes the median of."""
+
+
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Runs of the same rows (``step``, ``adaptive-attn``, ...) as one: each of
+    :data:`MEDIAN_OF`, per row, the median over the runs (columns taken separately);
+    the rest from the first run."""
+    out = []
+    for rows in zip(*runs, strict=True):
+        assert len({r["mode"] for r in rows}) == 1, "the runs' rows differ"
+        out.append(rows[0] | {k: statistics.median(r[k] for r in rows) for k in MEDIAN_OF})
+    return out
 
 
 def report(rows: list[dict], tokens: int = 2048, sharded: list[dict] | None = None) -> str:
@@ -387,11 +405,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--report", default=None, help="print the tables of a results file")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        help="print the tables of a results file (of several: their medians, row by row)",
+    )
     parser.add_argument(
         "--sharded-report", default=None, help="with --report: the results of an --fsdp run"
     )
-    parser.add_argument("--low-memory", action="store_true", help="measure with low_memory=True")
+    parser.add_argument(
+        "--kept-gradient",
+        action="store_true",
+        help="restart as the reference Auto-PGD does (best gradient kept, one vector more)",
+    )
     parser.add_argument(
         "--mmap-threshold",
         action="store_true",
@@ -422,16 +449,19 @@ def main() -> None:
     if args.max_stack:
         _max_stack(args.max_stack)
     if args.one and args.fsdp:
-        row = sharded_one(args.one, args.tokens, args.low_memory, args.plan, args.layers)
+        row = sharded_one(args.one, args.tokens, args.kept_gradient, args.plan, args.layers)
         if row is not None:
             print(json.dumps(row))
         return
     if args.one:
-        print(json.dumps(one(args.one, args.tokens, args.low_memory, args.layers)))
+        print(json.dumps(one(args.one, args.tokens, args.kept_gradient, args.layers)))
         return
     if args.report:
-        with open(args.report) as f:
-            rows = json.load(f)
+        runs = []
+        for path in args.report:
+            with open(path) as f:
+                runs.append(json.load(f))
+        rows = median_rows(runs)
         sharded = None
         if args.sharded_report:
             with open(args.sharded_report) as f:
@@ -447,7 +477,7 @@ def main() -> None:
     for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
         done = subprocess.run(
             [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),
-             *(["--low-memory"] if args.low_memory else []),
+             *(["--kept-gradient"] if args.kept_gradient else []),
              *(["--layers", str(args.layers)] if args.layers else []),
              *(["--max-stack", str(args.max_stack)] if args.max_stack else []),
              *(["--fsdp", "--plan", args.plan] if args.fsdp else [])],

@@ -16,11 +16,10 @@ Targets (ratios of times measured in this run, on this machine):
 4. peak memory <= the model + one training step (activations and gradient) + 4
    parameter-sized buffers (geodesic), 3 (adaptive: a straight step).
 
-``--low-memory`` measures ``sharpness(..., low_memory=True)``: the best point's gradient
-recomputed at a restart away from the current point (a forward+backward more there)
-and a new gradient buffer per step, two buffers fewer. The step timings
-count the forward+backward passes of each call through the ``callback`` and print
-their number per step.
+``--kept-gradient`` measures Auto-PGD with the reference's restart (the best point's
+gradient kept, one buffer more; ``benchmarks/reference.py``) instead of geosharp's (the
+best point evaluated again). The step timings count the forward+backward passes of each
+call through the ``callback`` and print their number per step.
 
 How each is measured:
 
@@ -120,6 +119,8 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None):
 
 
 def time_steps(args, device, autocast_dtype) -> dict:
+    from reference import restart_rule
+
     model, batch, loss_fn = build(args.model, args.batch, args.seq, device)
     symmetries = geosharp.find_symmetries(model)
 
@@ -141,18 +142,18 @@ def time_steps(args, device, autocast_dtype) -> dict:
     def run(kw, n) -> float:
         sync(device)
         start = time.perf_counter()
-        geosharp.sharpness(
-            model,
-            [batch],
-            loss_fn,
-            rho=RHO[kw],
-            symmetries=symmetries,
-            autocast_dtype=autocast_dtype,
-            measure=kw,
-            callback=count,
-            low_memory=args.low_memory,
-            estimator=geosharp.WorstCase(n_iters=n),
-        )
+        with restart_rule(args.kept_gradient):
+            geosharp.sharpness(
+                model,
+                [batch],
+                loss_fn,
+                rho=RHO[kw],
+                symmetries=symmetries,
+                autocast_dtype=autocast_dtype,
+                measure=kw,
+                callback=count,
+                estimator=geosharp.WorstCase(n_iters=n),
+            )
         sync(device)
         return time.perf_counter() - start
 
@@ -337,6 +338,30 @@ def _rss_status() -> dict:
     return out
 
 
+def run_once(mode: str, model, batch, loss_fn, symmetries, device, args) -> None:
+    """One training forward+backward (``train``) or one sharpness call of 3 Auto-PGD
+    steps (a measure name), whose memory is counted."""
+    from reference import restart_rule
+
+    autocast_dtype = AUTOCAST[args.autocast]
+    if mode == "train":
+        with autocast_context(device, autocast_dtype):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        return
+    with restart_rule(args.kept_gradient):
+        geosharp.sharpness(
+            model,
+            [batch],
+            loss_fn,
+            rho=RHO[mode],
+            symmetries=symmetries,
+            autocast_dtype=autocast_dtype,
+            measure=mode,
+            estimator=geosharp.WorstCase(n_iters=3),
+        )
+
+
 def memory_child(mode: str, args) -> dict:
     """Run in a fresh process: the increase of the peak resident size over the resident
     size, for one forward+backward (``train``) or one sharpness call (a measure name)."""
@@ -354,22 +379,7 @@ def memory_child(mode: str, args) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _rss_status()["VmRSS"]
-    if mode == "train":
-        with autocast_context(device, autocast_dtype):
-            loss = loss_fn(model, batch)
-        loss.backward()
-    else:
-        geosharp.sharpness(
-            model,
-            [batch],
-            loss_fn,
-            rho=RHO[mode],
-            symmetries=symmetries,
-            autocast_dtype=autocast_dtype,
-            measure=mode,
-            low_memory=args.low_memory,
-            estimator=geosharp.WorstCase(n_iters=3),
-        )
+    run_once(mode, model, batch, loss_fn, symmetries, device, args)
     peak = _rss_status()["VmHWM"]
     return {"increase": peak - base, "parameter_bytes": 4 * n_parameters(model)}
 
@@ -392,7 +402,7 @@ def measure_memory(args, device) -> dict:
             str(args.seq),
             "--autocast",
             args.autocast,
-            *(["--low-memory"] if args.low_memory else []),
+            *(["--kept-gradient"] if args.kept_gradient else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -400,7 +410,6 @@ def measure_memory(args, device) -> dict:
 
 
 def measure_memory_cuda(args, device) -> dict:
-    autocast_dtype = AUTOCAST[args.autocast]
     model, batch, loss_fn = build(args.model, args.batch, args.seq, device)
     symmetries = geosharp.find_symmetries(model)
     out = {}
@@ -410,23 +419,7 @@ def measure_memory_cuda(args, device) -> dict:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        if mode == "train":
-            with autocast_context(device, autocast_dtype):
-                loss = loss_fn(model, batch)
-            loss.backward()
-            del loss
-        else:
-            geosharp.sharpness(
-                model,
-                [batch],
-                loss_fn,
-                rho=RHO[mode],
-                symmetries=symmetries,
-                autocast_dtype=autocast_dtype,
-                measure=mode,
-                low_memory=args.low_memory,
-                estimator=geosharp.WorstCase(n_iters=3),
-            )
+        run_once(mode, model, batch, loss_fn, symmetries, device, args)
         torch.cuda.synchronize(device)
         out[mode] = {
             "increase": torch.cuda.max_memory_allocated(device) - base,
@@ -640,9 +633,9 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
-        "--low-memory",
+        "--kept-gradient",
         action="store_true",
-        help="low_memory=True: recompute the best gradient at restarts instead of keeping it",
+        help="the reference's restart: the best point's gradient kept (one buffer more)",
     )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -43,20 +43,19 @@ def counts(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int
 
 
 def measured(bench: dict) -> str:
-    """The benchmark's rows as a Markdown table: buffers per process (default,
-    ``low_memory``) and step over forward+backward, per number of processes."""
+    """The benchmark's rows as a Markdown table: buffers per process (geosharp's
+    Auto-PGD; the reference's restart, which keeps the best point's gradient) and step
+    over forward+backward, per number of processes."""
     rows = bench["rows"]
     lines = [
-        "| processes | measure | buffers per process, default (low_memory) "
-        "| step / forward+backward, default (low_memory) |",
+        "| processes | measure | buffers per process, default (kept gradient) "
+        "| step / forward+backward, default (kept gradient) |",
         "|---|---|---|---|",
     ]
     keys = sorted({(r["processes"], r["measure"]) for r in rows}, key=lambda k: k[0])
     order = list(dict.fromkeys(r["measure"] for r in rows))
     for nproc, measure in sorted(keys, key=lambda k: (k[0], order.index(k[1]))):
-        pick = {
-            r["low_memory"]: r for r in rows if (r["processes"], r["measure"]) == (nproc, measure)
-        }
+        pick = {kept(r): r for r in rows if (r["processes"], r["measure"]) == (nproc, measure)}
         lines.append(
             f"| {nproc} | {measure} | {pick[False]['buffers_per_process']:.2f} "
             f"({pick[True]['buffers_per_process']:.2f}) "
@@ -70,13 +69,12 @@ def table(bench: dict) -> str:
     rows = bench["rows"]
     top = max(r["processes"] for r in rows)
     worst = {
-        low: max(r["buffers_per_process"] for r in rows if r["processes"] == top
-                 and r["low_memory"] == low)
-        for low in (False, True)
-    }  # fmt: skip
+        k: max(r["buffers_per_process"] for r in rows if r["processes"] == top and kept(r) == k)
+        for k in (False, True)
+    }
     lines = [
-        "| model | perturbed | parameters | model + gradients | measure, default (low_memory) "
-        "| total, default (low_memory) |",
+        "| model | perturbed | parameters | model + gradients | measure, default (kept gradient) "
+        "| total, default (kept gradient) |",
         "|---|---|---|---|---|---|",
     ]
     for name, config in MODELS.items():
@@ -92,9 +90,15 @@ def table(bench: dict) -> str:
     lines.append("")
     lines.append(
         f"GB per process of {GPU_GB} GB, {GPUS} processes; buffers per process measured at "
-        f"{top} processes: {worst[False]:.2f} (default), {worst[True]:.2f} (low_memory)."
+        f"{top} processes: {worst[False]:.2f} (default), {worst[True]:.2f} (kept gradient)."
     )
     return "\n".join(lines)
+
+
+def kept(row: dict) -> bool:
+    """Whether ``row`` was measured with the reference's restart (the best point's
+    gradient kept: ``bench_fsdp.py --modes kept-gradient``)."""
+    return row["restart"] == "kept gradient"
 
 
 if __name__ == "__main__":

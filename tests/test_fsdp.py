@@ -243,8 +243,8 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
     docs = (root / "docs/performance.md").read_text()
     assert projection.measured(bench) in docs and projection.table(bench) in docs
     readme = " ".join((root / "README.md").read_text().split())
-    for low in (False, True):
-        values = [r["buffers_per_process"] for r in bench["rows"] if r["low_memory"] == low]
+    for kept in (False, True):
+        values = [r["buffers_per_process"] for r in bench["rows"] if projection.kept(r) == kept]
         assert f"{min(values):.1f}-{max(values):.1f}" in readme
     ratios = [r["step_over_forward_backward"] for r in bench["rows"]]
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme
@@ -331,36 +331,42 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     root = Path(__file__).resolve().parent.parent
     bench = _benchmark("bench_llama_bf16")
     results = root / "docs/results/llama_bf16"
-    rows = json.loads((results / "bench.json").read_text())
+    runs = [
+        json.loads((results / f"{n}.json").read_text())
+        for n in ("bench", "bench_repeat1", "bench_repeat2")
+    ]
+    rows = bench.median_rows(runs)
     sharded, by_rows = (
         json.loads((results / f"{n}.json").read_text())
         for n in ("fsdp_default_mmap", "fsdp_rows_mmap")
     )
-    for r in (rows, sharded, by_rows):
+    for r in (*runs, sharded, by_rows):
         assert [x["mode"] for x in r] == ["step", "adaptive-attn", "geodesic-inv-attn"]
     assert all(x["processes"] == 2 for x in sharded + by_rows)
     assert {x["plan"] for x in sharded} == {"default"} and {x["plan"] for x in by_rows} == {"rows"}
     assert bench.report(rows, sharded=sharded) in (root / "docs/performance.md").read_text()
-    low, low_mmap, mmap = (
+    kept, mmap = (
         json.loads((results / f"{n}.json").read_text())
-        for n in ("bench_low_memory", "bench_low_memory_mmap", "bench_mmap")
+        for n in ("bench_kept_gradient", "bench_mmap")
     )
+    assert {x["restart"] for r in (*runs, mmap, sharded, by_rows) for x in r} == {"revisit"}
+    assert {x["restart"] for x in kept} == {"kept gradient"}
     docs = " ".join((root / "docs/performance.md").read_text().split())
-    adaptive, geodesic = rows[1], rows[2]
+
+    def each(mode: int) -> str:
+        values = [f"{run[mode]['buffers_beyond_step']:.2f}" for run in runs]
+        return f"{', '.join(values[:-1])} and {values[-1]}"
+
+    assert f"three runs: {each(1)} (adaptive), {each(2)} (geodesic-inv)" in docs
     assert (
-        f"{adaptive['buffers_beyond_step']:.2f} (adaptive) and "
-        f"{geodesic['buffers_beyond_step']:.2f} (geodesic-inv) by default" in docs
-    )
-    assert (
-        f"`bench_mmap.json`): {mmap[1]['buffers_beyond_step']:.2f} and "
+        f"`bench_mmap.json`) {mmap[1]['buffers_beyond_step']:.2f} and "
         f"{mmap[2]['buffers_beyond_step']:.2f}" in docs
     )
     assert (
-        f"`bench_low_memory_mmap.json`): {low[1]['buffers_beyond_step']:.2f} and "
-        f"{low[2]['buffers_beyond_step']:.2f} vectors ({low_mmap[1]['buffers_beyond_step']:.2f} "
-        f"and {low_mmap[2]['buffers_beyond_step']:.2f} with `--mmap-threshold`)" in docs
+        f"(`bench_kept_gradient.json`, `--kept-gradient`) gave "
+        f"{kept[1]['buffers_beyond_step']:.2f} and {kept[2]['buffers_beyond_step']:.2f}" in docs
     )
-    assert {x.get("evaluations") for x in low[1:] + low_mmap[1:]} == {4}  # as the docs say
+    assert {x.get("evaluations") for r in (*runs, mmap) for x in r[1:]} == {4}  # as the docs say
     assert (
         f"(sharded, `--mmap-threshold`): {sharded[1]['buffers_beyond_step']:.2f} and "
         f"{sharded[2]['buffers_beyond_step']:.2f} with FSDP2's default plan, "
@@ -378,6 +384,7 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     gpu_bench = _benchmark("bench_llama_gpu")
     assert gpu_bench.report(gpu_rows) in (root / "docs/performance.md").read_text()
     readme = " ".join((root / "README.md").read_text().split())
+    adaptive, geodesic = rows[1], rows[2]  # the medians
     assert (
         f"took {adaptive['buffers_beyond_step']:.1f} (adaptive) and "
         f"{geodesic['buffers_beyond_step']:.1f} (geodesic `inv`) float32" in readme

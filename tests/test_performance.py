@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ from geosharp.layout import (
     row_segments,
     strided_segments,
 )
-from geosharp.measures import apgd, auto_pgd
+from geosharp.measures import apgd, auto_pgd, estimators
 from geosharp.params import functional_loss
 from geosharp.symmetry.groups import read_block
 from geosharp.symmetry.pairs import Block
@@ -511,9 +513,11 @@ def test_one_forward_backward_per_step():
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
-def test_low_memory_gives_the_same_values(measure):
-    """With ``low_memory`` a restart away from the current point recomputes the best
-    point's gradient (at most one more call per restart); the values are the same."""
+def test_a_restart_evaluates_the_best_point_again_as_an_iteration(measure):
+    """A restart back to a best point other than the current iterate evaluates it again
+    in the next iteration (its gradient is not kept): as many calls as the reference,
+    which keeps the gradient and steps from the best point at once; the same run up to
+    that restart, and the best point's loss again."""
     case = encoder_case(dtype=F64)
     calls = []
 
@@ -521,26 +525,34 @@ def test_low_memory_gives_the_same_values(measure):
         calls.append(1)
         return case.loss_fn(model, batch)
 
-    results = {}
-    for keep in (True, False):  # keep: the best gradient kept (the default)
+    n_iters, results = 20, {}
+    reference = functools.partial(apgd.auto_pgd, keep_best_gradient=True)
+    for kept in (False, True):
         calls.clear()
-        results[keep] = geosharp.sharpness(
-            case.model,
-            case.batches,
-            loss_fn,
-            measure=measure,
-            rho=4 * geosharp.DEFAULT_RHO[measure],
-            low_memory=not keep,
-            estimator=geosharp.WorstCase(n_iters=20),
-        )
-        results[keep].calls = len(calls)
-    keep, low = results[True], results[False]
-    assert low.per_batch == keep.per_batch
-    for a, b in zip(low.traces, keep.traces):
-        assert a.losses == b.losses and a.restarts == b.restarts
-    restarts = sum(len(t.restarts) for t in keep.traces)
-    assert restarts > 0
-    assert keep.calls <= low.calls <= keep.calls + restarts
+        with mock.patch.object(estimators, "auto_pgd", reference if kept else apgd.auto_pgd):
+            results[kept] = geosharp.sharpness(
+                case.model,
+                case.batches,
+                loss_fn,
+                measure=measure,
+                rho=4 * geosharp.DEFAULT_RHO[measure],
+                estimator=geosharp.WorstCase(n_iters=n_iters),
+            )
+        results[kept].calls = len(calls)
+    ours, kept = results[False], results[True]
+    discovery = 2 if measure.startswith("geodesic") else 0  # the pairs found, verified
+    assert ours.calls == kept.calls == len(case.batches) * (n_iters + 2) + discovery
+    assert ours.settings["restart"] == "revisit"
+    revisits = 0
+    for a, b in zip(ours.traces, kept.traces):
+        assert len(a.losses) == len(b.losses) == n_iters + 1
+        back = [m for m in a.restarts if a.losses[m] < a.best[m]]  # away from the iterate
+        first = back[0] if back else n_iters
+        assert a.losses[: first + 1] == b.losses[: first + 1]
+        for m in back:
+            assert a.losses[m + 1] == a.best[m]
+        revisits += len(back)
+    assert revisits > 0
 
 
 class _LargeAllocations(TorchDispatchMode):
@@ -568,16 +580,15 @@ class _LargeAllocations(TorchDispatchMode):
         dict(measure="adaptive-linf"),
     ],
 )
-@pytest.mark.parametrize("low_memory", [False, True])
-def test_parameter_sized_allocations_per_step(kw, low_memory):
+def test_parameter_sized_allocations_per_step(kw):
     """A step allocates nothing parameter-sized once the loop holds its buffers (they are
-    recycled), with or without ``low_memory``: a run three times longer allocates no
-    more. A short run may allocate fewer: the best point takes a buffer of its own only
-    once the iterate has moved past it."""
+    recycled): a run three times longer allocates no more. A short run may allocate
+    fewer: the best point takes a buffer of its own only once the iterate has moved past
+    it."""
     case = encoder_case(dtype=torch.float32)
     _, theta = flat_setup(case.model)
     counts = []
-    for n_iters in (3, 9, 27):
+    for n_iters in (3, 27, 81):
         evaluations = []
 
         def count(event, i, iterate, evaluations=evaluations):
@@ -590,7 +601,6 @@ def test_parameter_sized_allocations_per_step(kw, low_memory):
                 case.loss_fn,
                 rho=0.01,
                 callback=count,
-                low_memory=low_memory,
                 **kw,
                 estimator=geosharp.WorstCase(n_iters=n_iters),
             )
@@ -599,14 +609,13 @@ def test_parameter_sized_allocations_per_step(kw, low_memory):
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
-@pytest.mark.parametrize("low_memory", [False, True])
-def test_parameter_sized_vectors_alive_at_each_evaluation(measure, low_memory):
-    """After each evaluation the loop holds ``xi``, its previous and best values, the
-    best point's gradient (not with ``low_memory``) and the gradient, written over the
-    point it was evaluated at: 5 (4) parameter-sized vectors, the gradient being the
-    training step's own; the model's own tensors are not copied. The best point is the
-    iterate itself while it is the best (no copy): one vector fewer until the iterate
-    first moves past it (then a freed buffer is kept for reuse)."""
+def test_parameter_sized_vectors_alive_at_each_evaluation(measure):
+    """After each evaluation the loop holds ``xi``, its previous and best values and the
+    gradient, written over the point it was evaluated at: 4 parameter-sized vectors, the
+    gradient being the training step's own (no copy of the best point's gradient); the
+    model's own tensors are not copied. The best point is the iterate itself while it is
+    the best (no copy): one vector fewer until the iterate first moves past it (then a
+    freed buffer is kept for reuse)."""
     import gc
 
     case = encoder_case(dtype=torch.float32)
@@ -628,9 +637,9 @@ def test_parameter_sized_vectors_alive_at_each_evaluation(measure, low_memory):
 
     result = geosharp.sharpness(
         case.model, case.batches[:1], case.loss_fn, measure, 0.5, callback=census,
-        low_memory=low_memory, estimator=geosharp.WorstCase(n_iters=8),
+        estimator=geosharp.WorstCase(n_iters=8),
     )  # fmt: skip
-    full = 4 if low_memory else 5
+    full = 4
     best = result.traces[0].best
     assert best[1] > best[0] and counts[0] == full - 1, counts  # the start, held as best
     assert max(counts) == full, counts  # once the iterate has moved past the best

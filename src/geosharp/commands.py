@@ -131,12 +131,7 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         "(geosharp.fsdp.shard) instead of splitting the batches, for a model too large "
         "for one device; every process runs every batch, the values are one process's",
     )
-    p.add_argument(
-        "--low-memory",
-        action="store_true",
-        help="keep one parameter-sized vector fewer (no copy of the best point's gradient: "
-        "it is recomputed at a restart away from the current point); the same values",
-    )
+    p.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)  # removed
     p.add_argument("--quiet", action="store_true", help="no progress reports")
     p.add_argument(
         "--strict",
@@ -278,6 +273,11 @@ def _plan(args) -> _Plan:
     from .loading import data_kind
     from .measures import HESSIAN_TRACES
 
+    if args.low_memory:
+        raise UsageError(
+            "--low-memory was removed: its memory (no copy of the best point's gradient) is "
+            "the default now; drop the flag"
+        )
     names = measure_names(args.measures)
     rhos = rho_table(args.rho, names)
     device = check_device(args.device)
@@ -401,7 +401,6 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
         seed=args.seed, symmetries=job.symmetries, progress=not args.quiet and job.rank == 0,
         autocast_dtype=autocast_dtype(args.autocast), strict=args.strict,
         distributed=job.world > 1 and not args.fsdp, nonfinite=args.nonfinite,
-        low_memory=args.low_memory,
     )  # fmt: skip
     rho, on = plan.rhos[name], (job.model, job.batches, job.loss_fn)
     try:
@@ -506,12 +505,13 @@ def run_settings(args, rhos: dict[str, float]) -> dict:
     """Everything of a ``geosharp measure`` run that changes a value: a results file is
     resumed only by a run with the same settings."""
     from . import __version__
+    from .measures.apgd import RESTART
 
     keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
             "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
             "autocast", "nonfinite", "per", "task")  # fmt: skip
     settings = {k: getattr(args, k) for k in keys}
-    settings.update(model=str(args.model), rho=rhos, version=__version__)
+    settings.update(model=str(args.model), rho=rhos, version=__version__, restart=RESTART)
     return settings
 
 

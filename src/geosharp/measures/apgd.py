@@ -15,18 +15,23 @@ Maximises ``f(xi)`` over the ball ``||xi|| <= rho`` of a
    reduced at the last checkpoint and the best value has not changed since; a
    reduction restarts from the best point.
 
-The loop makes one forward and one backward per step (the objective returns the
-loss and its gradient together) and reads from the device once per checkpoint only.
-Its parameter-sized buffers are recycled, never allocated per step: the point, whose
-gradient is written over it (one buffer for both, the training step's own), the
-perturbation ``xi``, its previous and best values, and the best point's gradient for
-a restart there (its retraction's ``h x h`` matrices made again then: nothing small is
-kept from one step to the next, where it would pin the C heap under the next step's
-block temporaries). On the host the best value is the iterate's own buffer while it is the
-best (kept from recycling until a better one replaces it): no copy on an improving
-step. With ``low_memory=True`` the best point's gradient is not kept but recomputed
-when a restart goes back to a best point that is not the current one (one more
-forward+backward there, none otherwise).
+The loop makes ``n_iters + 1`` evaluations, each one forward and one backward (the
+objective returns the loss and its gradient together), and reads from the device once
+per checkpoint only. Its parameter-sized buffers are recycled, never allocated per
+step: the point, whose gradient is written over it (one buffer for both, the training
+step's own), the perturbation ``xi`` and its previous and best values; nothing small
+is kept from one step to the next either (a retraction's ``h x h`` matrices would pin
+the C heap under the next step's block temporaries). On the host the best value is
+the iterate's own buffer while it is the best (kept from recycling until a better one
+replaces it): no copy on an improving step.
+
+The best point's gradient is not kept: a restart that goes back to a best point other
+than the current one evaluates it again, and that evaluation is the next iteration's
+(no step is taken in it). The reference implementation keeps the gradient instead (one
+parameter-sized vector more) and steps from the best point at once
+(``keep_best_gradient=True``); here a restart away from the current point costs one
+step of the budget instead of that vector (on the demo's ViT the values agreed within a
+relative 3e-6, ``benchmarks/restart_budget.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,12 @@ class PointOverwritten(RuntimeError):
     buffers."""
 
 
-__all__ = ["APGDTrace", "Iterate", "PointOverwritten", "auto_pgd", "checkpoints"]
+__all__ = ["RESTART", "APGDTrace", "Iterate", "PointOverwritten", "auto_pgd", "checkpoints"]
+
+RESTART = "revisit"
+"""How :func:`auto_pgd` restarts away from the current point (recorded in results): the
+best point evaluated again in the next iteration, not stepped from with a kept gradient
+(``"kept gradient"``, the reference's; that version's results did not record it)."""
 
 # loss_grad(point, out) -> (loss at point, its gradient written into `out`)
 LossGrad = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -239,7 +249,7 @@ def auto_pgd(
     xi0: Tensor | None = None,
     momentum: float = 0.75,
     callback: Callable[[str, int, Iterate], None] | None = None,
-    low_memory: bool = False,
+    keep_best_gradient: bool = False,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -251,17 +261,17 @@ def auto_pgd(
     Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
 
     Memory beyond the space and one training step (whose gradient buffer the point
-    shares): four parameter-sized vectors, ``xi``, the previous and the best ``xi`` and
-    the best point's gradient; three with ``low_memory=True`` (see the module's
+    shares): three parameter-sized vectors, ``xi`` and its previous and best values;
+    four with ``keep_best_gradient=True``, the reference's restart (see the module's
     docstring). ``loss_grad`` may be given the point as its ``out`` (the gradient then
     replaces the point); where it raises :class:`PointOverwritten`, the point is formed
     again and evaluated with separate buffers from then on.
 
     ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``
     (the start and the best point), ``"evaluate"`` before and ``"evaluated"`` after each
-    call of ``loss_grad``, and ``"step"`` after the ``i``-th update (for diagnostics and
-    benchmarks); ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be
-    written).
+    call of ``loss_grad``, and ``"step"`` after the ``i``-th update (none in an
+    iteration that evaluates the best point again); for diagnostics and benchmarks.
+    ``iterate.xi`` is the tangent (:class:`Iterate`; it must not be written).
 
     On a GPU the loop never waits for the device outside the checkpoints (the best point
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
@@ -307,7 +317,7 @@ def auto_pgd(
     # on the host the best point is the iterate itself where it is the best (no copy):
     # its buffer is kept, not recycled, until a better one replaces it
     best_value, best_xi = value, xi if on_host else xi.clone()
-    best_grad = None if low_memory else grad.clone()
+    best_grad = grad.clone() if keep_best_gradient else None
     improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
     best_sq = ball.xx
     xi_prev = xi
@@ -317,19 +327,25 @@ def auto_pgd(
     reduced_last, best_at_mark = True, best_value
     values, bests, etas, restarts = [value], [best_value], [eta], []
 
+    revisit = False  # xi was set back to the best point, whose gradient is not kept
     for i in range(n_iters):
-        # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)), a = 1 first
-        a = momentum if i > 0 else 1.0
-        # the point's buffer: xi_prev's where nothing else holds it (read before written)
-        free_prev = xi_prev is not xi and xi_prev is not best_xi
-        point = xi_prev if free_prev else buffers.take()
-        new_xi, written = ball.step_(step, xi_prev, grad, eta, a, point)
-        step = None  # its h x h matrices, kept, would pin the C heap under later blocks
-        if not written:
-            buffers.give(point)
-        xi_prev, xi = xi, new_xi
-        notify("step", i + 1, xi)
-        new_value, grad, step = evaluate(xi, i + 1, point if written else None)
+        if revisit:  # this iteration evaluates the best point again, without a step
+            revisit = False
+            new_value, grad, step = evaluate(xi, i + 1)
+        else:
+            # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)),
+            # a = 1 first
+            a = momentum if i > 0 else 1.0
+            # the point's buffer: xi_prev's where nothing else holds it (read before written)
+            free_prev = xi_prev is not xi and xi_prev is not best_xi
+            point = xi_prev if free_prev else buffers.take()
+            new_xi, written = ball.step_(step, xi_prev, grad, eta, a, point)
+            step = None  # its h x h matrices, kept, would pin the C heap under later blocks
+            if not written:
+                buffers.give(point)
+            xi_prev, xi = xi, new_xi
+            notify("step", i + 1, xi)
+            new_value, grad, step = evaluate(xi, i + 1, point if written else None)
         increases = increases + (new_value > value)
         value = new_value
         improved = value > best_value
@@ -366,9 +382,10 @@ def auto_pgd(
                     if best_grad is not None:
                         grad.copy_(best_grad)  # its retraction's matrices made again
                         value, step = best_value, space.retraction(xi)
-                    else:
+                    else:  # the next iteration evaluates it: its value rose from xi's
                         buffers.give(grad)
-                        value, grad, step = evaluate(xi, done)
+                        grad = step = None
+                        revisit = True
                 ball.restart(best_sq)
                 restarts.append(done)
             best_at_mark, last_mark = best_value, done

@@ -93,7 +93,7 @@ class WorstCase:
             xi0 = m.random(generator) if start > 0 or first_random else None
             value, _, run = auto_pgd(
                 objective, m.space, m.rho, self.n_iters, xi0,
-                callback=m.callback, low_memory=m.low_memory,
+                callback=m.callback,
             )  # fmt: skip
             out.starts.append(float(value) - loss)
             if float(value) > best:

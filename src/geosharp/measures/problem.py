@@ -388,6 +388,11 @@ def refuse_legacy(function: str, keywords: dict) -> None:
             f"{function}() no longer takes per: write block_sharpness(model, batches, loss_fn, "
             f"..., per={keywords['per']!r}) (geosharp.block_sharpness)"
         )
+    if "low_memory" in keywords:
+        raise TypeError(
+            f"{function}() no longer takes low_memory: its memory (no copy of the best "
+            "point's gradient) is the default now; remove the argument"
+        )
     unknown = sorted(set(keywords) - LEGACY)
     if unknown:
         raise TypeError(f"{function}() got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -708,7 +713,6 @@ class Measurement:
     sharded: ShardedModel | ShardedGathered | None = None
     mask: Tensor | None = None
     callback: object = None
-    low_memory: bool = False
     steps: Progress | None = None
 
     def unperturbed(self, batch) -> tuple[float, float]:

@@ -35,7 +35,7 @@ from ..params import (
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
-from .apgd import APGDTrace, Iterate
+from .apgd import RESTART, APGDTrace, Iterate
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
 from .fsdp import ShardedGathered, ShardedModel, is_sharded, leaf_owners
@@ -145,7 +145,6 @@ def sharpness(
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
     callback: Callable[[str, int, Iterate], None] | None = None,
-    low_memory: bool = False,
     strict: bool = False,
     nonfinite: str = "error",
     matmul_precision: str = "highest",
@@ -201,11 +200,6 @@ def sharpness(
         callback: ``callback(event, i, iterate)`` for diagnostics and benchmarks, handed
             to :func:`~geosharp.measures.auto_pgd` (worst case; see its events;
             ``iterate.xi`` is the tangent).
-        low_memory: one parameter-sized vector fewer (three beyond a training step
-            instead of four): Auto-PGD (see
-            :func:`~geosharp.measures.auto_pgd`) keeps no copy of the best point's
-            gradient and recomputes it at a restart away from the current point (one
-            forward+backward more there, at most one per restart). The same values.
         strict: raise instead of warning when a geodesic measure would treat attention
             modules whose symmetry geosharp does not understand element-wise, or when
             the value is within 10x of the loss's round-off floor (``result.floor``).
@@ -258,7 +252,6 @@ def sharpness(
     # the precision of the rest of a model measured in float32 where it is perturbed
     half = mixed.half if mixed is not None else getattr(sharded, "half", None)
     settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
-    settings["low_memory"] = low_memory
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
     if sharded is not None:
@@ -282,9 +275,7 @@ def sharpness(
         mixed.active() if mixed is not None else contextlib.nullcontext(),
         steps,  # the bar is cleared even when a batch raises
     ):
-        m = _measurement(
-            model, loss_fn, target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
-        )
+        m = _measurement(model, loss_fn, target, geo, rho, seed, mixed, sharded, autocast_dtype)
         settings["checkpointing"] = checkpointing_kept(model, lambda: m.evaluate(m.theta, first))
         m.mask = None if entries is None else entry_mask(m.space, target.layout, entries)
         m.steps = steps if steps.enabled else None
@@ -371,6 +362,7 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
         metric=geo.metric.name if geo.metric is not None else None,
         estimator=repr(estimator),
         n_iters=estimator.n_iters if worst else None,
+        restart=RESTART if worst else None,
         n_samples=None if worst else estimator.n_samples,
         seed=seed,
         starts=estimator.starts if worst else None,
@@ -387,7 +379,7 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
 
 
 def _measurement(
-    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, low_memory, autocast_dtype
+    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, autocast_dtype
 ) -> Measurement:
     """The :class:`Measurement` of ``target``: its space, and its loss on the model in
     the precision asked for (a half-precision model's weights read in float32 where it
@@ -414,7 +406,7 @@ def _measurement(
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
         autocast_for(target.device, autocast_dtype),
-        None if autocast_dtype is not None else floor_dtype, sharded, low_memory=low_memory,
+        None if autocast_dtype is not None else floor_dtype, sharded,
     )  # fmt: skip
 
 
