@@ -773,6 +773,11 @@ def test_killed_run_resumes_without_measuring_again(bert_dir, text_csv, tmp_path
 
     line = _one_line_error(capsys, main([*argv, "--resume", "--n-iters", "5"]))
     assert "other settings: n_iters (300 there, 5 now)" in line
+    older = tmp_path / "older.json"  # a file of the versions that kept the best gradient
+    settings = {k: v for k, v in killed["settings"].items() if k != "restart"}
+    older.write_text(json.dumps(killed | {"settings": settings}))
+    line = _one_line_error(capsys, main([*argv[:-1], str(older), "--resume"]))
+    assert "other settings: restart (None there, 'revisit' now)" in line
     assert main([*argv, "--resume"]) == 0
     assert "already measured" in capsys.readouterr().err
     resumed = json.loads(out.read_text())
