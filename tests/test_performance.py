@@ -513,11 +513,12 @@ def test_one_forward_backward_per_step():
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
-def test_a_restart_evaluates_the_best_point_again_as_an_iteration(measure):
+def test_a_restart_evaluates_the_best_point_again_as_an_iteration(measure, monkeypatch):
     """A restart back to a best point other than the current iterate evaluates it again
     in the next iteration (its gradient is not kept): as many calls as the reference,
     which keeps the gradient and steps from the best point at once; the same run up to
-    that restart, and the best point's loss again."""
+    that restart, and the best point's loss again; the device path (``torch.where``,
+    no host reads) takes the same steps."""
     case = encoder_case(dtype=F64)
     calls = []
 
@@ -553,6 +554,17 @@ def test_a_restart_evaluates_the_best_point_again_as_an_iteration(measure):
             assert a.losses[m + 1] == a.best[m]
         revisits += len(back)
     assert revisits > 0
+    monkeypatch.setattr(apgd, "_HOST_DEVICES", ())
+    device = geosharp.sharpness(
+        case.model,
+        case.batches,
+        case.loss_fn,
+        measure=measure,
+        rho=4 * geosharp.DEFAULT_RHO[measure],
+        estimator=geosharp.WorstCase(n_iters=n_iters),
+    )
+    assert [t.losses for t in device.traces] == [t.losses for t in ours.traces]
+    assert device.per_batch == ours.per_batch
 
 
 class _LargeAllocations(TorchDispatchMode):
