@@ -53,6 +53,7 @@ MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
     "bert-384": (384, 6, 12, 1536, 8192, 8, 64),
     "quick": (128, 2, 4, 512, 2048, 4, 32),
     "bert-384-h6": (384, 6, 6, 1536, 8192, 8, 64),  # heads of 64 rows: cut on 4 processes
+    "bert-384-l12": (384, 12, 12, 1536, 8192, 8, 64),  # twice as deep: a layer half the share
 }
 
 
