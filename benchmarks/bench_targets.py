@@ -118,9 +118,27 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None):
 # -- target 1 and 2: step times ----------------------------------------------------------
 
 
-def time_steps(args, device, autocast_dtype) -> dict:
+def measure(model, batch, loss_fn, kw, symmetries, autocast_dtype, n_iters, args, callback=None):
+    """One ``geosharp.sharpness`` call: ``n_iters`` Auto-PGD steps of the measure ``kw`` on
+    ``batch``, restarting as ``--kept-gradient`` asks (the reference's rule, or
+    geosharp's)."""
     from reference import restart_rule
 
+    with restart_rule(args.kept_gradient):
+        return geosharp.sharpness(
+            model,
+            [batch],
+            loss_fn,
+            measure=kw,
+            rho=RHO[kw],
+            symmetries=symmetries,
+            autocast_dtype=autocast_dtype,
+            callback=callback,
+            estimator=geosharp.WorstCase(n_iters=n_iters),
+        )
+
+
+def time_steps(args, device, autocast_dtype) -> dict:
     model, batch, loss_fn = build(args.model, args.batch, args.seq, device)
     symmetries = geosharp.find_symmetries(model)
 
@@ -142,18 +160,7 @@ def time_steps(args, device, autocast_dtype) -> dict:
     def run(kw, n) -> float:
         sync(device)
         start = time.perf_counter()
-        with restart_rule(args.kept_gradient):
-            geosharp.sharpness(
-                model,
-                [batch],
-                loss_fn,
-                rho=RHO[kw],
-                symmetries=symmetries,
-                autocast_dtype=autocast_dtype,
-                measure=kw,
-                callback=count,
-                estimator=geosharp.WorstCase(n_iters=n),
-            )
+        measure(model, batch, loss_fn, kw, symmetries, autocast_dtype, n, args, count)
         sync(device)
         return time.perf_counter() - start
 
@@ -221,17 +228,7 @@ def time_overhead(args, device, autocast_dtype) -> dict:
             outside = {}
             for n in (args.n_long, args.n_short):
                 spent.update(loop=0.0, model=0.0)
-                geosharp.sharpness(
-                    model,
-                    [batch],
-                    loss_fn,
-                    measure=kw,
-                    rho=RHO[kw],
-                    symmetries=symmetries,
-                    autocast_dtype=autocast_dtype,
-                    callback=callback,
-                    estimator=geosharp.WorstCase(n_iters=n),
-                )
+                measure(model, batch, loss_fn, kw, symmetries, autocast_dtype, n, args, callback)
                 outside[n] = spent["loop"] - spent["model"]
             gap = args.n_long - args.n_short
             samples.append((outside[args.n_long] - outside[args.n_short]) / gap)
@@ -341,25 +338,13 @@ def _rss_status() -> dict:
 def run_once(mode: str, model, batch, loss_fn, symmetries, device, args) -> None:
     """One training forward+backward (``train``) or one sharpness call of 3 Auto-PGD
     steps (a measure name), whose memory is counted."""
-    from reference import restart_rule
-
     autocast_dtype = AUTOCAST[args.autocast]
     if mode == "train":
         with autocast_context(device, autocast_dtype):
             loss = loss_fn(model, batch)
         loss.backward()
         return
-    with restart_rule(args.kept_gradient):
-        geosharp.sharpness(
-            model,
-            [batch],
-            loss_fn,
-            rho=RHO[mode],
-            symmetries=symmetries,
-            autocast_dtype=autocast_dtype,
-            measure=mode,
-            estimator=geosharp.WorstCase(n_iters=3),
-        )
+    measure(model, batch, loss_fn, mode, symmetries, autocast_dtype, 3, args)
 
 
 def memory_child(mode: str, args) -> dict:
@@ -475,27 +460,10 @@ def profile(args, device, autocast_dtype) -> None:
     symmetries = geosharp.find_symmetries(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for kw in MEASURES:
-        geosharp.sharpness(
-            model,
-            [batch],
-            loss_fn,
-            rho=RHO[kw],
-            symmetries=symmetries,
-            autocast_dtype=autocast_dtype,
-            measure=kw,
-            estimator=geosharp.WorstCase(n_iters=2),
-        )
+        measure(model, batch, loss_fn, kw, symmetries, autocast_dtype, 2, args)
         with torch_profile(activities=activities) as prof:
-            geosharp.sharpness(
-                model,
-                [batch],
-                loss_fn,
-                rho=RHO[kw],
-                symmetries=symmetries,
-                autocast_dtype=autocast_dtype,
-                measure=kw,
-                callback=callback,
-                estimator=geosharp.WorstCase(n_iters=args.n_long),
+            measure(
+                model, batch, loss_fn, kw, symmetries, autocast_dtype, args.n_long, args, callback
             )
         print(f"\n== profile: {kw}, {args.n_long} steps ==")
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"

@@ -20,5 +20,12 @@ def restart_rule(kept_gradient: bool):
     return mock.patch.object(estimators, "auto_pgd", reference)
 
 
+KEPT = "kept gradient"
+"""The name results record for the reference's rule (geosharp's own:
+:data:`geosharp.measures.apgd.RESTART`)."""
+
+
 def rule_name(kept_gradient: bool) -> str:
-    return "kept gradient" if kept_gradient else "revisit"
+    from geosharp.measures.apgd import RESTART
+
+    return KEPT if kept_gradient else RESTART
