@@ -54,6 +54,7 @@ MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
     "quick": (128, 2, 4, 512, 2048, 4, 32),
     "bert-384-h6": (384, 6, 6, 1536, 8192, 8, 64),  # heads of 64 rows: cut on 4 processes
     "bert-384-l12": (384, 12, 12, 1536, 8192, 8, 64),  # twice as deep: a layer half the share
+    "bert-384-v1k": (384, 6, 12, 1536, 1024, 8, 64),  # an eighth of the vocabulary
 }
 
 
@@ -122,6 +123,23 @@ def child(args) -> None:
         train_step()
         times.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
+    from reference import restart_rule
+
+    def measure(n_iters: int, callback=None) -> None:
+        with restart_rule(args.kept_gradient):
+            geosharp.sharpness(
+                model,
+                [data],
+                loss_fn,
+                args.mode,
+                rho=MEASURES[args.mode],
+                symmetries=symmetries,
+                callback=callback,
+                estimator=geosharp.WorstCase(n_iters=n_iters),
+            )
+
+    if args.warm and args.mode != "train":
+        measure(1)  # what a first call pays once is paid before the peak is reset
     base = _reset_peak()
     record = {"rank": rank, "local_bytes": local_bytes, "fb": statistics.median(times)}
     if args.mode == "train":
@@ -134,19 +152,7 @@ def child(args) -> None:
             if event == "evaluate":
                 starts.append(time.perf_counter())
 
-        from reference import restart_rule
-
-        with restart_rule(args.kept_gradient):
-            geosharp.sharpness(
-                model,
-                [data],
-                loss_fn,
-                args.mode,
-                rho=MEASURES[args.mode],
-                symmetries=symmetries,
-                callback=callback,
-                estimator=geosharp.WorstCase(n_iters=args.n_iters),
-            )
+        measure(args.n_iters, callback)
         steps = [b - a for a, b in itertools.pairwise(starts)]
         record["step"] = statistics.median(steps)
     record["rise"] = _rss_status()["VmHWM"] - base
@@ -167,6 +173,7 @@ def launch(nproc: int, mode: str, args) -> list[dict]:
         "--master_addr=127.0.0.1", f"--master_port={29600 + nproc}",
         __file__, "--child", mode, "--model", args.model, "--n-iters", str(args.n_iters),
         "--plan", args.plan, *(["--kept-gradient"] if args.kept_gradient else []),
+        *(["--warm"] if args.warm else []),
     ]  # fmt: skip
     for _ in range(2):  # gloo sometimes aborts a process at exit, after the results
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -189,6 +196,13 @@ def main() -> None:
         help="map every allocation above 128 KiB (MALLOC_MMAP_THRESHOLD_=131072), so that "
         "freed memory leaves the process and the peak counts what is held, not what the "
         "allocator keeps",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="run each measure once (one step) before the peak is reset, so that what a "
+        "process's first call pays once (code and libraries loaded, the allocator's "
+        "pools) is not counted as the measure's buffers",
     )
     parser.add_argument(
         "--plan",
@@ -215,7 +229,9 @@ def main() -> None:
     rows = []
     print(
         f"model {args.model}, plan {args.plan}, {args.n_iters} Auto-PGD steps, gloo, one "
-        "thread per process" + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
+        "thread per process"
+        + (", MALLOC_MMAP_THRESHOLD_=131072" if args.mmap_threshold else "")
+        + (", each measure run once before its peak is reset" if args.warm else "")
     )
     print("processes  measure          mode           buffers/process  step/fwd+bwd")
     for nproc in [int(n) for n in args.nproc.split(",")]:
@@ -244,6 +260,7 @@ def main() -> None:
         args.out.write_text(json.dumps({"model": args.model, "n_iters": args.n_iters,
                                         "plan": args.plan,
                                         "mmap_threshold": args.mmap_threshold,
+                                        "warm": args.warm,
                                         "rows": rows}, indent=1) + "\n")  # fmt: skip
 
 

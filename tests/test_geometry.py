@@ -143,6 +143,28 @@ def test_inner_matches_metric_matrix(case, name):
     assert rel(state.norm(case.xi) ** 2, squared) < 1e-13
 
 
+@pytest.mark.parametrize(("name", "eps"), [("inv", 0.0), ("inv", 0.3), ("mix", 0.0)])
+def test_states_hold_factors_only(case, name, eps):
+    """A state holds the few ``h x h`` float64 matrices its hot path needs (``S, S^{-1}``
+    for ``inv``, also ``T, T^{-1}`` with ``eps``; ``P^{-1}, Q^{-1}`` for ``mix``), and
+    makes ``P, Q`` and their inverses from them: the Gram matrices (with ``eps``) and
+    their inverses, to round-off."""
+    state = (InvMetric(eps=eps) if name == "inv" else MixMetric()).state(case.G, case.H)
+    held: dict[int, str] = {}  # storage -> first name (T is S for eps = 0)
+    for k, v in vars(state).items():
+        square = isinstance(v, Tensor) and v.dim() == 3 and v.shape[-2:] == (case.h, case.h)
+        if square and k not in ("_G", "_H"):  # the blocks themselves, square when n = h
+            held.setdefault(v.untyped_storage().data_ptr(), k)
+    expected = {"_P_inv", "_Q_inv"} if name == "mix" else {"S", "S_inv"}
+    assert set(held.values()) == expected | ({"T", "T_inv"} if eps else set())
+    eye = eps * torch.eye(case.h, dtype=F64)
+    P, Q = case.G.mT @ case.G + eye, case.H.mT @ case.H + eye
+    for made, exact in ((state.P, P), (state.Q, Q), (state.P_inv, P.inverse())):
+        assert rel(made, exact) < 1e-10
+    assert rel(state.Q_inv, Q.inverse()) < 1e-10
+    assert state.h == case.h
+
+
 def test_mix_norm_measures_change_of_product(case):
     """``||xi||_mix^2 = ||xiG H^T||_F^2 + ||G xiH^T||_F^2`` (MATH.md section 2)."""
     state = MixMetric().state(case.G, case.H)

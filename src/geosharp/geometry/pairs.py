@@ -93,16 +93,18 @@ class PairState(ABC):
     ``G, H`` keep the parameters' dtype; after :meth:`read_from_` they are not held but
     read from the base point on each use (the model's own weights: no copy of them
     lives as long as the state). The ``h x h`` matrices ``P, Q, P_inv, Q_inv`` are
-    float64. :attr:`G64` and :attr:`H64` give the blocks in float64 for the reference
-    methods.
+    float64, held as given, or, where given as ``None``, made on each use from what the
+    state holds (:meth:`_derive`: the built-in states hold factors from which they
+    follow, and the hot path's copies in the tangent's dtype). :attr:`G64` and
+    :attr:`H64` give the blocks in float64 for the reference methods.
     """
 
     _G: Tensor | None  # None: read on each use (read_from_)
     _H: Tensor | None
-    P: Tensor
-    Q: Tensor
-    P_inv: Tensor
-    Q_inv: Tensor
+    _P: Tensor | None  # None: made on each use (_derive)
+    _Q: Tensor | None
+    _P_inv: Tensor | None
+    _Q_inv: Tensor | None
     reduce: Reduce | None = field(default=None, kw_only=True, repr=False)
     _read: Callable[[str, torch.dtype | None], Tensor] | None = field(
         default=None, kw_only=True, repr=False, compare=False
@@ -144,6 +146,34 @@ class PairState(ABC):
             self._kept = None
 
     @property
+    def P(self) -> Tensor:
+        return self._matrix("P")
+
+    @property
+    def Q(self) -> Tensor:
+        return self._matrix("Q")
+
+    @property
+    def P_inv(self) -> Tensor:
+        return self._matrix("P_inv")
+
+    @property
+    def Q_inv(self) -> Tensor:
+        return self._matrix("Q_inv")
+
+    def _matrix(self, name: str) -> Tensor:
+        held = self.__dict__["_" + name]
+        if held is not None:
+            return held
+        cast = self.__dict__.get("_casts", {}).get((name, _F64))
+        return cast if cast is not None else self._derive(name)
+
+    def _derive(self, name: str) -> Tensor:
+        """The float64 ``h x h`` matrix ``name`` (``"P"``, ``"Q"``, ``"P_inv"``,
+        ``"Q_inv"``) of a state that does not hold it."""
+        raise NotImplementedError(f"{type(self).__name__} holds no {name} and cannot make it")
+
+    @property
     def G(self) -> Tensor:
         return self.block("G")
 
@@ -153,6 +183,9 @@ class PairState(ABC):
 
     @property
     def h(self) -> int:
+        for name in ("_P", "_Q", "_P_inv", "_Q_inv"):
+            if self.__dict__[name] is not None:
+                return self.__dict__[name].shape[-1]
         return self.P.shape[-1]
 
     @property
@@ -260,7 +293,11 @@ class InvState(PairState):
     """``P, Q`` (and ``P_inv, Q_inv``) include ``eps``. The projection
     solves ``A X + X B = C`` with ``A = P (H^T H) = S diag(d) S^{-1}`` and
     ``B = (G^T G) Q = T diag(e) T^{-1}`` (for ``eps = 0``, ``A = B = P Q`` and
-    ``T, e = S, d``)."""
+    ``T, e = S, d``).
+
+    Only ``S, S^{-1}`` (and ``T, T^{-1}`` with ``eps``) are held in float64; the rest
+    follows: ``P = S S^T``, ``P^{-1} = S^{-T} S^{-1}``, and ``Q = S^{-T} D S^{-1}``
+    (``eps = 0``) or ``T^{-T} T^{-1}`` (``eps > 0``)."""
 
     S: Tensor
     S_inv: Tensor
@@ -282,6 +319,26 @@ class InvState(PairState):
             self.P_inv @ self._sum(_t(x[0]) @ self.G64)
             - self._sum(_t(self.H64) @ x[1]) @ self.Q_inv
         )
+
+    @property
+    def h(self) -> int:
+        return self.S.shape[-1]
+
+    def _derive(self, name: str) -> Tensor:
+        S, S_inv = self.S, self.S_inv
+        if name == "P":
+            return S @ _t(S)
+        if name == "P_inv":
+            return _t(S_inv) @ S_inv
+        if self.eps:
+            T, T_inv = self.T, self.T_inv
+            return _t(T_inv) @ T_inv if name == "Q" else T @ _t(T)
+        d = self.d.unsqueeze(-2)
+        return (_t(S_inv) * d) @ S_inv if name == "Q" else (S / d) @ _t(S)
+
+    def _QT(self) -> Tensor:
+        """``Q T``: ``S^{-T} D`` (``eps = 0``), ``T^{-T}`` (``eps > 0``)."""
+        return _t(self.T_inv) if self.eps else _t(self.S_inv) * self.d.unsqueeze(-2)
 
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
         # R(xi - V(L)) = 0 with X = L^T reads A X + X B = C (multiplied by P, Q), where
@@ -361,9 +418,17 @@ class InvState(PairState):
 
     def _coefficient(self, A: Tensor, B: Tensor) -> Tensor:
         """:meth:`vertical_coefficient` from ``x_G^T G`` and ``H^T x_H`` (float64)."""
-        # C = x_G^T G Q - P H^T x_H; A X + X B' = C solved in the eigenbases
-        C = A @ self.Q - self.P @ B
-        Y = self.S_inv @ C @ self.T
+        # C = x_G^T G Q - P H^T x_H; A X + X B' = C solved in the eigenbases, where
+        # S^{-1} C T = S^{-1} A (Q T) - S^T B T (S^{-1} P = S^T): P and Q never formed
+        return self._solve(self.S_inv @ A @ self._QT() - _t(self.S) @ (B @ self.T))
+
+    def _direction_coefficient(self, gram_g: Tensor, gram_h: Tensor) -> Tensor:
+        """The coefficient of ``(gG P, gH Q)`` from ``gG^T G`` and ``H^T gH``: its
+        ``S^{-1} C T`` is ``S^T (gG^T G - H^T gH) Q T``."""
+        return self._solve(_t(self.S) @ (gram_g - gram_h) @ self._QT())
+
+    def _solve(self, Y: Tensor) -> Tensor:
+        """``X^T`` from ``Y = S^{-1} C T``: ``Y_ij / (d_i + e_j)``, ``X = S Y T^{-1}``."""
         denom = self.d.unsqueeze(-1) + self.e.unsqueeze(-2)
         tol = denom.shape[-1] * torch.finfo(_F64).eps * denom.amax((-1, -2), keepdim=True)
         Y = torch.where(denom > tol, Y / torch.where(denom > tol, denom, 1.0), 0.0)
@@ -383,8 +448,8 @@ class InvMetric(PairMetric):
         G, H = G.detach(), H.detach()
         G64, H64 = G.to(_F64), H.to(_F64)
         P, Q = _gram(G64, self.eps, reduce), _gram(H64, self.eps, reduce)
-        P_inv, P_sqrt, P_isqrt, _ = _spd_functions(P)
-        Q_inv, Q_sqrt, Q_isqrt, _ = _spd_functions(Q)
+        _, P_sqrt, P_isqrt, _ = _spd_functions(P)
+        _, Q_sqrt, Q_isqrt, _ = _spd_functions(Q)
         # A = P (H^T H) = S D S^{-1}: P^{1/2} (H^T H) P^{1/2} = U D U^T, S = P^{1/2} U.
         d, U = torch.linalg.eigh(P_sqrt @ (Q if not self.eps else _gram(H64, 0.0, reduce)) @ P_sqrt)
         S, S_inv = P_sqrt @ U, _t(U) @ P_isqrt
@@ -397,10 +462,10 @@ class InvMetric(PairMetric):
         return InvState(
             G,
             H,
-            P,
-            Q,
-            P_inv,
-            Q_inv,
+            None,
+            None,
+            None,
+            None,
             S=S,
             S_inv=S_inv,
             d=d,
@@ -417,6 +482,15 @@ class InvMetric(PairMetric):
 
 @dataclass
 class MixState(PairState):
+    """Holds ``P^{-1}, Q^{-1}`` (float64); ``P, Q`` are made where used, by inversion."""
+
+    def _derive(self, name: str) -> Tensor:
+        return torch.linalg.inv(self.P_inv if name == "P" else self.Q_inv)
+
+    def _direction_coefficient(self, gram_g: Tensor, gram_h: Tensor) -> Tensor:
+        """The coefficient of ``(gG Q^{-1}, gH P^{-1})`` from ``gG^T G`` and ``H^T gH``."""
+        return self._coefficient(self.Q_inv @ gram_g, gram_h @ self.P_inv)
+
     def inner(self, xi: Tangent, eta: Tangent) -> Tensor:
         x, y = _f64(xi), _f64(eta)
         return self._sum(
@@ -505,7 +579,7 @@ class MixMetric(PairMetric):
         P, Q = _gram(G.to(_F64), 0.0, reduce), _gram(H.to(_F64), 0.0, reduce)
         P_inv = _spd_functions(P)[0]
         Q_inv = _spd_functions(Q)[0]
-        return MixState(G, H, P, Q, P_inv, Q_inv, reduce=reduce)
+        return MixState(G, H, None, None, P_inv, Q_inv, reduce=reduce)
 
 
 def get_metric(name: str | PairMetric, eps: float = 0.0) -> PairMetric:
@@ -566,8 +640,7 @@ def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str
     G, H = state._cast("G", dt), state._cast("H", dt)
     gram_g = state._sum((_t(egrad[0]) @ G).double())
     gram_h = state._sum((_t(H) @ egrad[1]).double())
-    L = state._coefficient(getattr(state, left) @ gram_g, gram_h @ getattr(state, right))
-    L = L.to(dt)
+    L = state._direction_coefficient(gram_g, gram_h).to(dt)
     A, B = state._cast(left, dt), state._cast(right, dt)
     return (
         torch.bmm(egrad[0], A).baddbmm_(G, L, alpha=-1),

@@ -66,6 +66,13 @@ class SubgroupState(PairState):
     signs: Tensor
     chol: Tensor  # (B, k, k) Cholesky factor of g(V(E_a), V(E_b))
 
+    @property
+    def h(self) -> int:
+        return self.base.h
+
+    def _derive(self, name: str) -> Tensor:
+        return getattr(self.base, name)
+
     def read_from_(self, read) -> SubgroupState:
         self.base.read_from_(read)
         return super().read_from_(read)
@@ -130,7 +137,7 @@ def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) 
     # tr(X E_b^T Y E_a), E_b = sum_s sb_s e_{p_s} e_{q_s}^T, E_a = sum_t sa_t e_{u_t} e_{v_t}^T:
     # sum_{s,t} sb_s sa_t X[v_t, q_s] Y[p_s, u_t].
     k = rows.shape[0]
-    M = torch.zeros(*state.P.shape[:-2], k, k, dtype=_F64, device=state.P.device)
+    M = torch.zeros(*Gg.shape[:-2], k, k, dtype=_F64, device=Gg.device)
     for X, Y in terms:
         for s in range(rows.shape[1]):
             for t in range(rows.shape[1]):
@@ -144,7 +151,7 @@ def _vertical_gram_generic(state: PairState, rows: Tensor, cols: Tensor, signs: 
     """Slow path for other metrics: ``g(V(E_a), V(E_b))`` from ``state.inner``."""
     h = state.h
     k = rows.shape[0]
-    basis = torch.zeros(k, h, h, dtype=_F64, device=state.P.device)
+    basis = torch.zeros(k, h, h, dtype=_F64, device=state.G.device)
     for a in range(k):
         for s in range(rows.shape[1]):
             basis[a, rows[a, s], cols[a, s]] += signs[a, s]
@@ -167,8 +174,8 @@ def restrict_state(state: PairState, group: str) -> PairState:
     if group == "GL":
         return state
     rows, cols, signs = lie_algebra_basis(group, h)
-    rows, cols = rows.to(state.P.device), cols.to(state.P.device)
-    signs = signs.to(state.P.device)
+    device = state.G.device
+    rows, cols, signs = rows.to(device), cols.to(device), signs.to(device)
     M = _vertical_gram(state, rows, cols, signs)
     chol, info = torch.linalg.cholesky_ex(M)
     if bool((info != 0).any()):
@@ -178,10 +185,10 @@ def restrict_state(state: PairState, group: str) -> PairState:
     return SubgroupState(
         state.G,
         state.H,
-        state.P,
-        state.Q,
-        state.P_inv,
-        state.Q_inv,
+        None,  # P, Q and their inverses: the base state's (_derive)
+        None,
+        None,
+        None,
         base=state,
         group=group,
         reduce=state.reduce,
