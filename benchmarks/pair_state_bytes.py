@@ -8,8 +8,10 @@ every process there.
 Per model (the FSDP benchmark's 14M BERT, ``bench_fsdp.py --model bert-384``, and
 BERT-base's shape, float32, built from their configs) and metric (``inv``, ``mix``):
 one ``geosharp.sharpness`` call of one Auto-PGD step, after which every tensor the
-states hold (each storage once; the hot path's copies in the tangent's dtype, made
-on first use, included) is counted, by name.
+states hold (each storage once) is counted, by name: what they hold through the forward
+and backward between the step's passes over the pairs. Copies in the tangent's dtype
+that a state keeps are included (d80ddd6 cached four in ``_casts`` for good; a state now
+makes them per pass and frees them at its end).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def held(state) -> dict[str, int]:
     seen: dict[int, tuple[str, int]] = {}
     for key, value in vars(state).items():
         items = [(key, value)] if isinstance(value, torch.Tensor) else []
-        if key == "_casts":  # the hot path's copies: {(name, dtype): tensor}
+        if key in ("_casts", "_pass") and value:  # copies: {(name, dtype): tensor}
             items = [(f"{n} ({str(d).removeprefix('torch.')})", t) for (n, d), t in value.items()]
         for name, t in items:
             storage = t.untyped_storage()

@@ -254,6 +254,30 @@ def test_pair_kernels_match_reference(metric, seed):
         assert rel(a, b) < 1e-12
 
 
+@pytest.mark.parametrize("metric", ["inv", "inv-eps", "mix"])
+def test_pair_copies_live_for_one_pass(metric):
+    """The ``h x h`` matrices in a float32 tangent's dtype are made once per pass
+    (``reading``), shared by its calls, and freed at its end: between passes (the
+    forward and backward) a state holds its float64 factors only; outside a pass each
+    call makes its own, with the same values."""
+    states, gen = pair_states(4)
+    state = states[metric]
+    x = tuple(torch.randn(t.shape, generator=gen).float() for t in (state.G, state.H))
+    alone = state.pullback(x, x, state.accelerate(x)[1])
+    assert "_pass" not in vars(state) or vars(state)["_pass"] is None
+    with state.reading(torch.float32) as inside:
+        first = inside._operands(torch.float32)
+        assert first[2] is inside._operands(torch.float32)[2]  # made once in the pass
+        made = dict(vars(state)["_pass"])
+        assert {name for name, _ in made} >= {"P_inv", "Q_inv"}
+        kept = [weakref.ref(t) for t in made.values()]
+        within = inside.pullback(x, x, inside.accelerate(x)[1])
+    del first, made
+    assert vars(state)["_pass"] is None and all(r() is None for r in kept)
+    for a, b in zip(within, alone):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_pair_kernels_float32(metric):
     """In float32 the large products run in float32 and the h x h solve in float64: the

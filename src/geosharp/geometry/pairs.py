@@ -134,16 +134,21 @@ class PairState(ABC):
 
     @contextlib.contextmanager
     def reading(self, dtype: torch.dtype):
-        """Within it, the blocks read where used (:meth:`read_from_`) are read once in
-        ``dtype`` and shared by every method called (freed at its end)."""
-        if self._read is None:
+        """One pass over the pairs' blocks: within it, the blocks read where used
+        (:meth:`read_from_`) are read once in ``dtype``, and the ``h x h`` matrices in a
+        tangent's dtype made once, both shared by every method called and freed at its
+        end, so that they are not held through the forward and backward between passes
+        (outside a pass, each use makes its own)."""
+        if self.__dict__.get("_pass") is not None:  # within a pass already
             yield self
             return
-        self._kept = (dtype, self._read("G", dtype), self._read("H", dtype))
+        self._pass = {}
+        if self._read is not None:
+            self._kept = (dtype, self._read("G", dtype), self._read("H", dtype))
         try:
             yield self
         finally:
-            self._kept = None
+            self._pass = self._kept = None
 
     @property
     def P(self) -> Tensor:
@@ -165,8 +170,8 @@ class PairState(ABC):
         held = self.__dict__["_" + name]
         if held is not None:
             return held
-        cast = self.__dict__.get("_casts", {}).get((name, _F64))
-        return cast if cast is not None else self._derive(name)
+        made = (self.__dict__.get("_pass") or {}).get((name, _F64))
+        return made if made is not None else self._derive(name)
 
     def _derive(self, name: str) -> Tensor:
         """The float64 ``h x h`` matrix ``name`` (``"P"``, ``"Q"``, ``"P_inv"``,
@@ -270,19 +275,20 @@ class PairState(ABC):
         return self.inner(xi, xi).clamp_min(0).sqrt()
 
     def _operands(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``G, H, P^{-1}, Q^{-1}`` in ``dtype``: the hot path's operands. ``G, H`` are
-        read for the call (:meth:`block`), not kept; the ``h x h`` matrices are
-        cached."""
+        """``G, H, P^{-1}, Q^{-1}`` in ``dtype``: the hot path's operands, made for the
+        call or, within :meth:`reading`, once per pass."""
         return tuple(self._cast(n, dtype) for n in ("G", "H", "P_inv", "Q_inv"))  # type: ignore[return-value]
 
     def _cast(self, name: str, dtype: torch.dtype) -> Tensor:
         if name in ("G", "H"):
             return self.block(name, dtype)
-        cache = self.__dict__.setdefault("_casts", {})
+        made = self.__dict__.get("_pass")
+        if made is None:
+            return getattr(self, name).to(dtype)
         key = (name, dtype)
-        if key not in cache:
-            cache[key] = getattr(self, name).to(dtype)
-        return cache[key]
+        if key not in made:
+            made[key] = getattr(self, name).to(dtype)
+        return made[key]
 
 
 # --- inv ------------------------------------------------------------------------------

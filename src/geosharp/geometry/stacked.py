@@ -460,11 +460,12 @@ class PairSpace:
             return saved
         for block in self.blocks:
             x = block.gather(xi)
-            if straighten:
-                block.add_(out, block.state.geodesic_acceleration(x), alpha=0.5)
-                saved.append(None)
-                continue
-            accel, kept = block.state.accelerate(x)
+            with block.state.reading(xi.dtype) as state:  # its matrices made once, freed
+                if straighten:
+                    block.add_(out, state.geodesic_acceleration(x), alpha=0.5)
+                    saved.append(None)
+                    continue
+                accel, kept = state.accelerate(x)
             block.add_(out, accel, alpha=0.5)
             saved.append(kept)
         return saved
