@@ -55,7 +55,33 @@ MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
     "bert-384-h6": (384, 6, 6, 1536, 8192, 8, 64),  # heads of 64 rows: cut on 4 processes
     "bert-384-l12": (384, 12, 12, 1536, 8192, 8, 64),  # twice as deep: a layer half the share
     "bert-384-v1k": (384, 6, 12, 1536, 1024, 8, 64),  # an eighth of the vocabulary
+    "bert-base": (768, 12, 12, 3072, 30522, 8, 128),  # for pair_state_bytes.py
 }
+
+
+def bert(name: str, batch: int | None = None):
+    """The BERT ``name`` of :data:`MODELS` (seeded, eager attention) and a batch of
+    random tokens and labels (``batch`` sequences, the table's by default)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    hidden, layers, heads, inter, vocab, rows, tokens = MODELS[name]
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        max_position_embeddings=tokens,
+        attn_implementation="eager",
+    )
+    g = torch.Generator().manual_seed(1)
+    data = {
+        "input_ids": torch.randint(0, vocab, (batch or rows, tokens), generator=g),
+        "labels": torch.randint(0, 2, (batch or rows,), generator=g),
+    }
+    return BertForSequenceClassification(config), data
 
 
 def _reset_peak() -> int:
@@ -70,7 +96,6 @@ def child(args) -> None:
     """One process of a launch: prints its JSON record (rank 0 gathers them)."""
     import torch
     import torch.distributed as dist
-    from transformers import BertConfig, BertForSequenceClassification
 
     import geosharp
     from geosharp import distributed as gd
@@ -78,23 +103,7 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     rank, world = gd.init()
-    hidden, layers, heads, inter, vocab, batch, tokens = MODELS[args.model]
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=inter,
-        max_position_embeddings=tokens,
-        attn_implementation="eager",
-    )
-    model = BertForSequenceClassification(config)
-    g = torch.Generator().manual_seed(1)
-    data = {
-        "input_ids": torch.randint(0, vocab, (batch, tokens), generator=g),
-        "labels": torch.randint(0, 2, (batch,), generator=g),
-    }
+    model, data = bert(args.model)
 
     def loss_fn(m, b):
         return m(**b).loss

@@ -20,10 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-MODELS = {  # hidden, layers, heads, intermediate, vocab, tokens
-    "bert-384": (384, 6, 12, 1536, 8192, 64),
-    "bert-base": (768, 12, 12, 3072, 30522, 128),
-}
+MODELS = ("bert-384", "bert-base")  # of bench_fsdp.MODELS
 
 
 def held(state) -> dict[str, int]:
@@ -45,29 +42,12 @@ def held(state) -> dict[str, int]:
 
 
 def measure(model_name: str, metric: str) -> dict:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
     import geosharp
+    from bench_fsdp import bert
     from geosharp.geometry import stacked
 
-    hidden, layers, heads, inter, vocab, tokens = MODELS[model_name]
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=inter,
-        max_position_embeddings=tokens,
-        attn_implementation="eager",
-    )
-    model = BertForSequenceClassification(config).eval()
-    g = torch.Generator().manual_seed(1)
-    batch = {
-        "input_ids": torch.randint(0, vocab, (2, tokens), generator=g),
-        "labels": torch.randint(0, 2, (2,), generator=g),
-    }
+    model, batch = bert(model_name, batch=2)
+    model.eval()
 
     def loss_fn(m, b):
         return m(**b).loss
