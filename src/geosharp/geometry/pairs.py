@@ -336,11 +336,9 @@ class InvState(PairState):
             return S @ _t(S)
         if name == "P_inv":
             return _t(S_inv) @ S_inv
-        if self.eps:
-            T, T_inv = self.T, self.T_inv
-            return _t(T_inv) @ T_inv if name == "Q" else T @ _t(T)
-        d = self.d.unsqueeze(-2)
-        return (_t(S_inv) * d) @ S_inv if name == "Q" else (S / d) @ _t(S)
+        if name == "Q":  # (Q T) T^{-1}
+            return self._QT() @ self.T_inv
+        return self.T @ _t(self.T) if self.eps else (S / self.d.unsqueeze(-2)) @ _t(S)
 
     def _QT(self) -> Tensor:
         """``Q T``: ``S^{-T} D`` (``eps = 0``), ``T^{-T}`` (``eps > 0``)."""
