@@ -98,6 +98,39 @@ def _count_base_reads() -> None:
     ShardedStack.read_params, ShardedStack.base_reader = counted, held
 
 
+BACKWARD_GATHERS = [0]  # FSDP2 parameter groups gathered for a backward
+
+
+def _count_backward_gathers() -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, async_op=False):
+        sharded = self._all_gather_result is None and not self.is_unsharded
+        out = unshard(self, async_op)
+        gathered = self._all_gather_result is not None or self.is_unsharded
+        BACKWARD_GATHERS[0] += (
+            sharded and gathered and self._training_state == TrainingState.PRE_BACKWARD
+        )
+        return out
+
+    FSDPParamGroup.unshard = counted
+
+
+def unshard_flags(model) -> list[bool]:
+    """FSDP2's ``unshard_in_backward`` of every parameter group of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        group.unshard_in_backward
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
+
+
 def plan(name: str) -> list[tuple[str, str]]:
     """The ``(measure, case)`` pairs a run measures: every pair on the float64 BERT; on
     the other runs every measure's worst case from zero, and random starts and the
@@ -376,7 +409,7 @@ def half_precision():
         geosharp.sharpness(model, batches, raising, "adaptive", **kw)
     except KeyError:
         out["bfloat16 after raising"] = [
-            hooks() == before,
+            hooks() == before and all(unshard_flags(model)),
             all(isinstance(p, DTensor) and p.requires_grad for p in model.parameters()),
             geosharp.sharpness(model, batches, loss_fn, "adaptive", **kw).value,
         ]
@@ -449,6 +482,7 @@ def sam(name):
 def main():
     out, which = sys.argv[1], sys.argv[2:]
     _count_base_reads()
+    _count_backward_gathers()
     rank, world = gd.init()
     results = {}
     if "errors" in which:
@@ -472,12 +506,17 @@ def main():
         wide = copy.deepcopy(model).float() if dtype == "bfloat16" else None
         fsdp.shard(model, symmetries)
         before = [p.to_local().clone() for p in model.parameters()]
+        gathers = BACKWARD_GATHERS[0]
+        loss_fn(model, batches[0]).backward()  # a training step: FSDP gathers for backward
+        results[f"{name}/step backward gathers"] = BACKWARD_GATHERS[0] - gathers
+        model.zero_grad(set_to_none=True)
         for measure, case in plan(name):
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
-            reads, held = BASE_READS[0], HELD[0]
+            reads, held, gathers = BASE_READS[0], HELD[0], BACKWARD_GATHERS[0]
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
             reads, held = BASE_READS[0] - reads, HELD[0] - held
+            gathers = BACKWARD_GATHERS[0] - gathers
             if rank != 0:  # the one-process references (and the results) are rank 0's
                 continue
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
@@ -485,7 +524,7 @@ def main():
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
-                "base reads": reads, "held": held,
+                "base reads": reads, "held": held, "backward gathers": gathers,
             }  # fmt: skip
             if wide is not None:
                 kw["symmetries"] = symmetries  # found on the half-precision model
@@ -493,7 +532,8 @@ def main():
                 results[f"{name}/{measure}/{case}"]["float32"] = float32.value
         same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
         grads = all(p.grad is None for p in model.parameters())
-        results[f"{name}/model unchanged"] = bool(same and grads)
+        flags = all(unshard_flags(model))  # FSDP gathers for backward again, as it did
+        results[f"{name}/model unchanged"] = bool(same and grads and flags)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world": world, "results": results}, f)

@@ -79,6 +79,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
         if name in ("errors", "checkpointed", "split") or name.startswith("sam:"):
             continue
         assert results[f"{name}/model unchanged"] is True
+        assert results.pop(f"{name}/step backward gathers") > 0  # the control: a training step
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
         assert set(cases) == {f"{name}/{m}/{c}" for m, c in plan(name)}
         tol = TOLERANCE[name.split("-")[1]]
@@ -87,6 +88,9 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
             # no head cut here: the pair states read their blocks from the shards where used
             assert (case["base reads"] > 0) == key.split("/")[1].startswith("geodesic"), key
             assert case["held"] == 0, key
+            # a layer whose parameters are all perturbed is not gathered by FSDP for backward
+            # (the measure computes on its own gathers); attention-only keeps the MLP's
+            assert (case["backward gathers"] == 0) == ("attn" not in key), key
             assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-12)
             for one, many in zip(case["one"], case["many"], strict=True):
                 assert abs(many - one) <= tol * abs(one), (key, one, many)
@@ -172,8 +176,9 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert abs(found - one) <= 1e-8 * abs(one)
     one, many = messages["bfloat16 tied"]  # one slice gathered twice (embedding, head)
     assert abs(many - one) <= 1e-4 * abs(one)
-    same_hooks, shards_kept, again = messages["bfloat16 after raising"]
-    assert same_hooks and shards_kept and again == many
+    # the hooks removed and FSDP's flags restored; the shards and their flags kept
+    hooks_and_flags, shards_kept, again = messages["bfloat16 after raising"]
+    assert hooks_and_flags and shards_kept and again == many
     assert "has submodules" in messages["bfloat16 owner with submodules"]
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
@@ -248,6 +253,22 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
         assert f"{min(values):.1f}-{max(values):.1f}" in readme
     ratios = [r["step_over_forward_backward"] for r in bench["rows"]]
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme
+
+
+def test_the_docs_show_the_committed_peak_profile():
+    """docs/performance.md's account of the sharded measure's peak is the committed
+    ``benchmarks/fsdp_peak.py`` output: with FSDP's gathers for backward, and without."""
+    root = Path(__file__).resolve().parent.parent
+    runs = json.loads((root / "docs/results/fsdp/fsdp_peak.json").read_text())["runs"]
+    now, before = runs["measure"], runs["measure, FSDP gathers for backward"]
+    docs = " ".join((root / "docs/performance.md").read_text().split())
+    assert f"({now['peak']:.2f} of a shard against {before['peak']:.2f} with FSDP's" in docs
+    assert now["at"] != before["at"] and before["at"].startswith("backward")
+    alive = dict(now["alive"])
+    # FSDP's gather of the layer: its all-gather buffer and the unsharded weights, as large
+    layer = 2 * alive["FSDP: allocate"]
+    assert f"FSDP2 has no switch for it: {layer:.2f})" in docs
+    assert f"own gather of one weight ({alive['measures/fsdp.py(387): gather']:.2f})" in docs
 
 
 def test_the_docs_show_the_committed_cut_heads_benchmark():

@@ -465,7 +465,8 @@ def _tensors(obj, seen=None):
 def test_space_keeps_no_parameter_sized_vector(name):
     """Built on the model's own tensors, the space reads them in place, the pair states'
     blocks too (read where used): what it holds beyond them is the states' h x h
-    matrices and nothing parameter-sized."""
+    matrices and nothing parameter-sized, also after its passes (a pass's scratch
+    buffer is freed at its end, not held through the forward and backward)."""
     case = encoder_case(dtype=torch.float32)
     named = list(case.model.named_parameters())
     layout = ParameterLayout.from_named(named)
@@ -474,15 +475,23 @@ def test_space_keeps_no_parameter_sized_vector(name):
         {n: p.detach() for n, p in named}, layout, pairs, Geometry.named(name)
     )
     own = {p.untyped_storage().data_ptr() for _, p in named}
-    held = {
-        t.untyped_storage().data_ptr(): t
-        for t in _tensors(space)
-        if t.untyped_storage().data_ptr() not in own
-    }
+
+    def held_by_space() -> dict:
+        return {
+            t.untyped_storage().data_ptr(): t
+            for t in _tensors(space)
+            if t.untyped_storage().data_ptr() not in own
+        }
+
     small = 8 * 10 * sum(s.shape[0] * s.shape[3] ** 2 for s in pairs)  # h x h, float64
-    assert sum(t.untyped_storage().nbytes() for t in held.values()) <= (
-        small if name == "geodesic" else 0
-    )
+    bound = small if name == "geodesic" else 0
+    held = held_by_space()
+    assert sum(t.untyped_storage().nbytes() for t in held.values()) <= bound
+    g, x = torch.randn(layout.numel), torch.randn(layout.numel)
+    space.split_direction_(g)
+    one = torch.ones(())
+    space.combine_(g, one, x, one)
+    assert sum(t.untyped_storage().nbytes() for t in held_by_space().values()) <= bound
     # no pair's block (heads, n, h): every held tensor is smaller than the smallest
     stacks = {}  # a stack's h x h matrices: (heads of pairs of one shape, h, h)
     for s in pairs:

@@ -130,7 +130,9 @@ class ElementwiseSpace:
         """Group the pieces into :class:`_Run` s: the in-place loop's operations go run by
         run, a few operations each, so that small parameters cost no dispatch of their
         own and a run's vectors stay in cache between them. A run holds at most an eighth
-        of the entries (its scratch buffer is never a parameter-sized vector)."""
+        of the entries: its scratch buffer, made by the pass that needs it and freed at
+        the pass's end (:meth:`_pass_done`), is never a parameter-sized vector and is not
+        held through the forward and backward between passes."""
         cap = min(self.chunk, max(1 << 10, -(-self.numel // 8)))
         runs: list[_Run] = []
         for s, e, theta, pairs, frozen in self.pieces(cap):
@@ -145,8 +147,12 @@ class ElementwiseSpace:
         self.runs = runs
         self._scratch = None
 
+    def _pass_done(self) -> None:
+        """Free the scratch buffer of the pass that ends."""
+        self._scratch = None
+
     def _c(self, run: _Run, claimed: float = 0.0) -> Tensor | None:
-        """``c`` on ``run`` in a reused buffer (``None``: the constant ``claimed`` on a
+        """``c`` on ``run`` in the pass's reused buffer (``None``: the constant ``claimed`` on a
         claimed run, 1 on a free run of the Euclidean scale)."""
         if run.kind == "claimed" or (run.kind == "free" and self._unit):
             return None
@@ -257,6 +263,7 @@ class ElementwiseSpace:
             pairs = run.pieces[0][1]
             outside = piece.masked_fill(pairs, 0) if isinstance(pairs, Tensor) else piece
             torch.dot(outside, outside, out=row[0])
+        self._pass_done()
         sums = partial.double().sum(0)
         return sums[0], list(sums[1:])
 
@@ -289,6 +296,7 @@ class ElementwiseSpace:
                     torch.add(thetas[0], piece, out=point[s:e])
                 else:
                     torch.cat(thetas, out=point[s:e]).add_(piece)
+        self._pass_done()
         return out
 
     @property

@@ -467,7 +467,11 @@ class ShardedGathered:
 
     A half-precision model (``half``) is measured with float32 only where the
     perturbation lives: the point's slices are float32, and the owners compute in
-    float32 (their other weights and their inputs cast up, their outputs cast back)."""
+    float32 (their other weights and their inputs cast up, their outputs cast back).
+
+    An FSDP2 module whose parameters are all perturbed never reads FSDP's own gathered
+    copies of them: inside :meth:`holding` FSDP does not gather them in backward
+    (its ``unshard_in_backward``, restored on leaving), which a training step would."""
 
     def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half
@@ -494,6 +498,7 @@ class ShardedGathered:
             for n in g.names
         }
         self.shapes = dict(zip(shards.local.names, shards.local.shapes))
+        self.unread = _groups_within(model, {id(p) for _, p in named})
 
     def mean(self, loss: Tensor) -> Tensor:
         return _mean(loss, self.world)
@@ -535,12 +540,17 @@ class ShardedGathered:
             _close(open_.pop())
 
         owners = [module for module, _ in self.owners.values()]
+        was = [group.unshard_in_backward for group in self.unread]
         try:
+            for group in self.unread:
+                group.unshard_in_backward = False
             with computing_in_float32(owners, half, before, after):
                 yield
         finally:
             while open_:  # a forward that raised
                 _close(open_.pop())
+            for group, flag in zip(self.unread, was):
+                group.unshard_in_backward = flag
 
     def loss(self, batch) -> Tensor:
         return self.loss_fn(self.model, batch)
@@ -555,6 +565,29 @@ class ShardedGathered:
     def restore(self, theta) -> None:
         """Nothing to restore: the model's shards are never written."""
         reshard(self.model)
+
+
+def _groups_within(model: nn.Module, ids: set[int]) -> list:
+    """FSDP2's parameter groups of ``model`` whose parameters all have their ``id`` in
+    ``ids`` (none where this torch's FSDP2 keeps its groups otherwise: its gathers are
+    then left as they are, which costs memory only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            found.extend(
+                group
+                for group in groups
+                if isinstance(group.unshard_in_backward, bool)
+                and all(id(fp.sharded_param) in ids for fp in group.fsdp_params)
+            )
+        except AttributeError:
+            return []
+    return found
 
 
 def _mean(loss: Tensor, world: int) -> Tensor:
