@@ -92,24 +92,21 @@ def _reset_peak() -> int:
     return _rss_status()["VmRSS"]
 
 
-def child(args) -> None:
-    """One process of a launch: prints its JSON record (rank 0 gathers them)."""
-    import torch
-    import torch.distributed as dist
+def loss_fn(model, batch):
+    return model(**batch).loss
 
+
+def sharded(name: str, plan: str = "rows"):
+    """The BERT ``name`` sharded over the process group (``plan``: ``"rows"``,
+    :func:`geosharp.fsdp.shard`'s; ``"default"``, FSDP2's ``Shard(0)`` of each layer and
+    then the root), in eval mode: ``(model, batch, symmetries, local parameter bytes)``,
+    the pairs found before sharding."""
     import geosharp
-    from geosharp import distributed as gd
     from geosharp import fsdp
 
-    torch.set_num_threads(1)
-    rank, world = gd.init()
-    model, data = bert(args.model)
-
-    def loss_fn(m, b):
-        return m(**b).loss
-
+    model, data = bert(name)
     symmetries = geosharp.find_symmetries(model, data, loss_fn=loss_fn)
-    if args.plan == "rows":
+    if plan == "rows":
         fsdp.shard(model, symmetries)
     else:  # FSDP2's default: Shard(0) everywhere
         from torch.distributed.fsdp import fully_shard
@@ -118,7 +115,20 @@ def child(args) -> None:
             fully_shard(layer)
         fully_shard(model)
     model.eval()
-    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    return model, data, symmetries, sum(p.to_local().numel() * 4 for p in model.parameters())
+
+
+def child(args) -> None:
+    """One process of a launch: prints its JSON record (rank 0 gathers them)."""
+    import torch
+    import torch.distributed as dist
+
+    import geosharp
+    from geosharp import distributed as gd
+
+    torch.set_num_threads(1)
+    rank, world = gd.init()
+    model, data, symmetries, local_bytes = sharded(args.model, args.plan)
 
     def train_step():
         model.zero_grad(set_to_none=True)

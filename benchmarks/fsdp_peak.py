@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fsdp import MEASURES, MODELS, bert
+from bench_fsdp import MEASURES, MODELS, loss_fn, sharded
 
 RUNS = ("step", "measure", "measure, FSDP gathers for backward")
 
@@ -114,20 +114,11 @@ def child(args) -> None:
 
     import geosharp
     from geosharp import distributed as gd
-    from geosharp import fsdp
     from geosharp.measures import fsdp as measures_fsdp
 
     torch.set_num_threads(1)
     rank, _ = gd.init()
-    model, data = bert(args.model)
-
-    def loss_fn(m, b):
-        return m(**b).loss
-
-    symmetries = geosharp.find_symmetries(model, data, loss_fn=loss_fn)
-    fsdp.shard(model, symmetries)
-    model.eval()
-    local = sum(p.to_local().numel() * 4 for p in model.parameters())
+    model, data, symmetries, local = sharded(args.model)
 
     def step():
         model.zero_grad(set_to_none=True)
