@@ -269,16 +269,20 @@ def test_the_docs_show_the_committed_peak_profile():
     layer = 2 * alive["FSDP: allocate"]
     assert f"FSDP2 has no switch for it: {layer:.2f})" in docs
     assert f"own gather of one weight ({alive['measures/fsdp.py(387): gather']:.2f})" in docs
-    six = dict(
-        json.loads((root / "docs/results/fsdp/fsdp_peak_h6_geodesic.json").read_text())["runs"][
+    six_before, six = (
+        json.loads((root / f"docs/results/fsdp/fsdp_peak_h6_geodesic{x}.json").read_text())["runs"][
             "measure"
-        ]["alive"]
+        ]
+        for x in ("_before_views", "")
     )
+    held = dict(six_before["alive"])
     assert (
-        f"the int64 positions of its pair blocks ({six['geometry/sharded.py(391): localize']:.2f} "
+        f"the int64 positions of its pair blocks ({held['geometry/sharded.py(391): localize']:.2f} "
         f"of a shard, made at set-up), a copy of the base point's blocks "
-        f"({six['geometry/sharded.py(242): gather_params']:.2f})" in docs
+        f"({held['geometry/sharded.py(242): gather_params']:.2f})" in docs
     )
+    assert "geometry/sharded.py(391): localize" not in dict(six["alive"])  # no positions held
+    assert f"the peak {six_before['peak']:.2f} to {six['peak']:.2f} of a shard" in docs
 
 
 def test_the_docs_show_the_committed_cut_heads_benchmark():

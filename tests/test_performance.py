@@ -29,6 +29,7 @@ from geosharp.geometry.pairs import InvMetric, MixMetric
 from geosharp.geometry.stacked import Pairs, PairSpace
 from geosharp.layout import (
     ParameterLayout,
+    _view,
     gather_strided,
     locate_segments,
     read_located,
@@ -191,6 +192,30 @@ def test_strided_segments_random_layouts(seed):
         return
     out = gather_strided(flat, segments, index.shape)
     assert torch.equal(out, flat[index])
+
+
+@pytest.mark.parametrize("held", ["HPHH", "PPHP", "HPPH", "PHHP", "HHHH"])
+def test_rows_held_elsewhere_leave_the_held_rows_strided_views(held):
+    """A sharded stack's bias rows, held here for some heads (``H``) and elsewhere for
+    others (``P``, -1): every held row is covered by a strided view, whatever the order
+    (a step back or onto a placeholder is not merged across heads), and nothing else."""
+    from geosharp.geometry.sharded import _held_segments
+
+    B, n, h = len(held), 3, 4
+    b, r, c = torch.meshgrid(torch.arange(B), torch.arange(n), torch.arange(h), indexing="ij")
+    index = 100 + b * n * h + r * h + c  # a weight block: every row held
+    bias = 500 + b[:, 0, :] * h + c[:, 0, :]
+    index[:, -1, :] = torch.where(torch.tensor([x == "H" for x in held])[:, None], bias, -1)
+    segments = _held_segments(index)
+    assert segments is not None
+    flat = torch.randn(1000)
+    out = torch.zeros(index.shape)
+    for seg in segments:
+        b0, nb, r0, nr = seg[:4]
+        out[b0 : b0 + nb, r0 : r0 + nr] = _view(flat, seg, h)
+    held_rows = index >= 0
+    assert torch.equal(out[held_rows], flat[index[held_rows]])
+    assert not out[~held_rows].any()
 
 
 def test_gather_under_autograd_uses_indexing():

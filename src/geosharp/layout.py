@@ -149,6 +149,9 @@ def row_segments(
         runs_per_head.append(runs)
     # Merge consecutive heads with the same runs; each run then steps through memory by
     # its own constant offset from head to head (a weight block and a bias row do not).
+    # A step back, or from a negative offset to a non-negative one (the placeholders of
+    # rows held elsewhere, :func:`geosharp.geometry.sharded._held_segments`), is not
+    # merged: that head starts a segment of its own.
     segments: list[Segment] = []
     b0 = 0
     while b0 < B:
@@ -161,9 +164,14 @@ def row_segments(
             i = 0
             while i < len(offsets):
                 j, step = i + 1, 0
-                if j < len(offsets):
+                side = offsets[i] >= 0
+                if j < len(offsets) and offsets[j] > offsets[i] and (offsets[j] >= 0) == side:
                     step = offsets[j] - offsets[i]
-                    while j < len(offsets) and offsets[j] - offsets[j - 1] == step:
+                    while (
+                        j < len(offsets)
+                        and offsets[j] - offsets[j - 1] == step
+                        and (offsets[j] >= 0) == side
+                    ):
                         j += 1
                 segments.append((b0 + i, j - i, r0, nr, offsets[i], step, sr, sc))
                 i = j
