@@ -145,22 +145,36 @@ def rows(
         memory.empty_cache()
 
 
+def live_at_peak(events) -> tuple[int, dict, object]:
+    """``(highest, live, last)`` over ``events``, ``(address, bytes, what)`` in time
+    order (``bytes > 0`` an allocation, ``< 0`` a free, its size taken from the
+    allocation): the highest total of the allocations live at once, ``{address:
+    (bytes, what)}`` of those live then, and the ``what`` of the allocation that
+    reached it."""
+    live: dict[int, tuple[int, object]] = {}
+    total, highest, at_peak, last = 0, -1, {}, None
+    for address, size, what in events:
+        if size > 0:
+            live[address] = (size, what)
+            total += size
+            if total > highest:
+                highest, at_peak, last = total, dict(live), what
+        elif address in live:
+            total -= live.pop(address)[0]
+    return highest, at_peak, last
+
+
 def peak_breakdown(trace: list[dict], vector: int, top: int = 14) -> list:
     """The allocations live at the highest point of a CUDA allocator trace (allocated
     while it recorded), grouped by the innermost geosharp (else transformers, else
     torch) frame that made them, in ``vector``-sized units, largest first."""
-    live: dict[int, dict] = {}
-    total, highest, at_peak = 0, -1, {}
-    for event in trace:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > highest:
-                highest, at_peak = total, dict(live)
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])["size"]
+    highest, at_peak, _ = live_at_peak(
+        (e["addr"], e["size"] if e["action"] == "alloc" else -1, e)
+        for e in trace
+        if e["action"] in ("alloc", "free_completed")
+    )
     groups: dict[str, int] = {}
-    for event in at_peak.values():
+    for _, event in at_peak.values():
         frames = event.get("frames", [])
         frame = next(
             (f for key in ("geosharp", "transformers", "torch") for f in frames

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fsdp import MEASURES, MODELS, loss_fn, sharded
+from bench_llama_gpu import live_at_peak
 
 RUNS = ("step", "measure", "measure, FSDP gathers for backward")
 
@@ -84,22 +85,18 @@ def peak(prof, local: int) -> dict:
             freed.add(last.pop(ptr))
         elif size > 0:
             last[ptr] = i
-    live, total, top, at, when = {}, 0, 0, {}, ()
-    for i, (_, ptr, size, stack) in enumerate(events):
-        if size > 0 and i in freed:
-            live[ptr] = (size, stack)
-            total += size
-        elif size < 0 and ptr in live:
-            total -= live.pop(ptr)[0]
-        if total > top:
-            top, at, when = total, dict(live), stack
+    top, at, when = live_at_peak(
+        (ptr, size, stack)
+        for i, (_, ptr, size, stack) in enumerate(events)
+        if size < 0 or i in freed
+    )
     unseen = sum(e[2] for i, e in enumerate(events) if e[2] > 0 and i not in freed)
     sites = collections.Counter()
     for size, stack in at.values():
         sites[_site(stack)] += size
     return {
         "peak": round(top / local, 3),
-        "at": _module(when),
+        "at": _module(when or ()),
         "alive": [
             (site, round(b / local, 3)) for site, b in sites.most_common() if b > 0.02 * local
         ],
