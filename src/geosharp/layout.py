@@ -178,10 +178,11 @@ def row_segments(
         b0 = b1
         if len(segments) > limit:
             return None
-    # Negative strides cannot be viewed; a zero stride over several heads or rows would
-    # repeat positions (writes through such a view are ill-defined): index instead.
-    for _, nb, _, nr, _, sb, sr, sc in segments:
-        if min(sb, sr, sc) < 0 or (sb == 0 and nb > 1) or (sr == 0 and nr > 1) or sc == 0:
+    # Negative strides cannot be viewed; a zero stride over several rows would repeat
+    # positions (writes through such a view are ill-defined): index instead. Heads are
+    # merged above only at a positive stride.
+    for _, _, _, nr, _, _, sr, sc in segments:
+        if min(sr, sc) < 0 or (sr == 0 and nr > 1) or sc == 0:
             return None
     return segments
 
