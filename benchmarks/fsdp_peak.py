@@ -3,14 +3,16 @@
 largest, grouped by where they were made.
 
     python benchmarks/fsdp_peak.py [--nproc 4] [--measure adaptive] [--json out.json]
+    python benchmarks/fsdp_peak.py --model bert-384-h6 --plan default  # heads cut
 
-The model is ``bench_fsdp.py``'s BERT (``--model``, rows plan), one thread per process,
+The model is ``bench_fsdp.py``'s BERT (``--model``; ``--plan rows``,
+:func:`geosharp.fsdp.shard`'s, or FSDP2's ``default``), one thread per process,
 glibc mapping every block above 128 KiB. Each launch warms up (a step and a one-step
 measure), then records with ``torch.profiler`` (``profile_memory``, Python stacks) one
 training forward+backward and one ``sharpness`` call of 2 Auto-PGD steps, twice: as
-geosharp runs it, and with FSDP2 gathering every layer for backward as it would for a
-training step (``unshard_in_backward`` left on: the code before it was turned off for
-the layers whose parameters are all perturbed). Reported per run: the peak of the live
+geosharp runs it, and with FSDP2 gathering every layer for forward and backward as it
+would for a training step (the code before geosharp stopped those gathers for the
+layers whose parameters are all perturbed). Reported per run: the peak of the live
 allocations over the run's start, in buffers of this process's shard, when it came
 (the module whose forward or backward ran), and the allocations alive then, by the last
 frame of geosharp, FSDP or ``transformers`` that made them. Allocation counts only:
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fsdp import MEASURES, MODELS, loss_fn, sharded
 from bench_llama_gpu import live_at_peak
 
-RUNS = ("step", "measure", "measure, FSDP gathers for backward")
+RUNS = ("step", "measure", "measure, FSDP gathers every layer")
 
 
 def _allocations(prof) -> list[tuple[int, int, int, tuple[str, ...]]]:
@@ -115,7 +117,7 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     rank, _ = gd.init()
-    model, data, symmetries, local = sharded(args.model)
+    model, data, symmetries, local = sharded(args.model, args.plan)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -133,7 +135,7 @@ def child(args) -> None:
     found = measures_fsdp._groups_within
     out = {}
     for run in RUNS:
-        if run == RUNS[2]:  # FSDP left to gather every layer for backward, as before
+        if run == RUNS[2]:  # FSDP left to gather every layer, as for training
             measures_fsdp._groups_within = lambda model, ids: []
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as p:
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--measure", default="adaptive", choices=sorted(MEASURES))
     parser.add_argument("--model", default="bert-384", choices=sorted(MODELS))
+    parser.add_argument("--plan", default="rows", choices=("rows", "default"))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,15 +164,17 @@ def main() -> None:
            "MALLOC_MMAP_THRESHOLD_": "131072"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            "--master_addr=127.0.0.1", "--master_port=29650", __file__, "--child",
-           "--measure", args.measure, "--model", args.model]  # fmt: skip
+           "--measure", args.measure, "--model", args.model, "--plan", args.plan]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if not lines:
         raise RuntimeError(proc.stderr[-3000:])
     result = {"model": args.model, "measure": args.measure, "processes": args.nproc,
+              "plan": args.plan,
               **json.loads(lines[-1])}  # fmt: skip
     print(
-        f"model {args.model}, {args.measure}, {args.nproc} processes (rank 0), rows plan, "
+        f"model {args.model}, {args.measure}, {args.nproc} processes (rank 0), "
+        f"{args.plan} plan, "
         "torch's CPU allocations, in buffers of the process's shard"
     )
     for run, row in result["runs"].items():

@@ -77,6 +77,7 @@ MEASURES = {
 
 
 BASE_READS = [0]  # calls of ShardedStack.read_params: the pair states reading their blocks
+SPLIT_RUNS: list[bool] = []  # per position index of a cut row's buffer: held as runs
 HELD = [0]  # stacks with rows here, none cut, whose pair states hold a copy of their blocks
 
 
@@ -97,11 +98,25 @@ def _count_base_reads() -> None:
 
     ShardedStack.read_params, ShardedStack.base_reader = counted, held
 
+    from geosharp.geometry import sharded
 
-BACKWARD_GATHERS = [0]  # FSDP2 parameter groups gathered for a backward
+    split = sharded._split
+
+    def runs(*args):
+        out = split(*args)
+        if out is not None:
+            held = (out.mine_runs, out.mine_at_runs, out.block_runs, out.block_at_runs)
+            SPLIT_RUNS.extend(r.explicit is None for r in held)
+        return out
+
+    sharded._split = runs
 
 
-def _count_backward_gathers() -> None:
+GATHERS = {"forward": 0, "backward": 0}  # FSDP2 parameter groups gathered, by pass
+CHECKED = {"forward": 0, "backward": 0}  # of them, by the set-up's check of reads
+
+
+def _count_gathers() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -110,21 +125,35 @@ def _count_backward_gathers() -> None:
     def counted(self, async_op=False):
         sharded = self._all_gather_result is None and not self.is_unsharded
         out = unshard(self, async_op)
-        gathered = self._all_gather_result is not None or self.is_unsharded
-        BACKWARD_GATHERS[0] += (
-            sharded and gathered and self._training_state == TrainingState.PRE_BACKWARD
-        )
+        if sharded and (self._all_gather_result is not None or self.is_unsharded):
+            backward = self._training_state == TrainingState.PRE_BACKWARD
+            GATHERS["backward" if backward else "forward"] += 1
         return out
 
     FSDPParamGroup.unshard = counted
 
+    from geosharp.measures.fsdp import ShardedGathered
+
+    check = ShardedGathered.read_elsewhere
+
+    def checked(self, *args, **kwargs):
+        before = dict(GATHERS)
+        try:
+            return check(self, *args, **kwargs)
+        finally:
+            for k in CHECKED:
+                CHECKED[k] += GATHERS[k] - before[k]
+
+    ShardedGathered.read_elsewhere = checked
+
 
 def unshard_flags(model) -> list[bool]:
-    """FSDP2's ``unshard_in_backward`` of every parameter group of ``model``."""
+    """Whether FSDP2 gathers each parameter group of ``model`` as it did: its
+    ``unshard_in_backward`` on, its ``unshard`` the class's own."""
     from torch.distributed.fsdp import FSDPModule
 
     return [
-        group.unshard_in_backward
+        group.unshard_in_backward and "unshard" not in vars(group)
         for m in model.modules()
         if isinstance(m, FSDPModule)
         for group in m._get_fsdp_state()._fsdp_param_groups
@@ -198,6 +227,7 @@ def errors():
     out["default plan, pairs from the structure"] = [found.value, found.settings["n_pairs"]]
     out["pairs found before sharding"] = len(symmetries.pairs)
     out.update(half_precision())
+    out["read elsewhere"] = read_elsewhere()
     for key, call in {
         "hessian": lambda: geosharp.hessian_trace(model, batches, loss_fn, "adaptive"),
         "per": lambda: geosharp.block_sharpness(model, batches, loss_fn, "adaptive", per="layer"),
@@ -305,6 +335,7 @@ def split_heads():
     sharded]`` per measure and case, the pairs found before sharding and on the sharded
     model's structure, and whether the shards are unchanged afterwards."""
     out = {}
+    del SPLIT_RUNS[:]
     for name, (build, rho) in SPLIT.items():
         model, batches = build()
         symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
@@ -372,6 +403,70 @@ def split_heads():
         out[f"{name}/unchanged"] = all(
             torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())
         ) and all(p.grad is None for p in model.parameters())
+    out["split positions as runs"] = [sum(SPLIT_RUNS), len(SPLIT_RUNS)]
+    return out
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class TiedHead(torch.nn.Module):
+    """A language model whose output reads its embedding's weight itself (an
+    x-transformers-like tied head): a read outside the forward of the module that
+    holds the weight."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(Residual(dim) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x) @ self.emb.weight.T
+
+
+def read_elsewhere():
+    """:class:`TiedHead` sharded (each layer, then the root: the embedding and the norm),
+    measured whole and on the embedding alone (its FSDP group then also holds the norm,
+    not perturbed): float64 equals one process, the point written into the shards (the
+    owners' gathers would leave the head's read unperturbed); bfloat16 is refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    def loss(m, ids):
+        logits = m(ids)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+    ids = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        torch.manual_seed(0)
+        model = TiedHead().to(dtype)
+        plain = copy.deepcopy(model)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        before = [p.to_local().clone() for p in model.parameters()]
+        for parameters in (None, ["emb.weight"]):
+            kw = dict(rho=0.5, estimator=geosharp.WorstCase(n_iters=2), parameters=parameters)
+            key = f"{dtype}/{'whole' if parameters is None else 'embedding'}"
+            try:
+                many = geosharp.sharpness(model, [ids], loss, "adaptive", **kw)
+                out[key] = [alone(plain, [ids], loss, "adaptive", **kw), many.value]
+            except geosharp.UsageError as e:
+                out[key] = str(e)
+        out[f"{dtype}/unchanged"] = all(
+            torch.equal(b, p.to_local()) and p.grad is None and p.requires_grad
+            for b, p in zip(before, model.parameters())
+        )
     return out
 
 
@@ -482,7 +577,7 @@ def sam(name):
 def main():
     out, which = sys.argv[1], sys.argv[2:]
     _count_base_reads()
-    _count_backward_gathers()
+    _count_gathers()
     rank, world = gd.init()
     results = {}
     if "errors" in which:
@@ -506,17 +601,18 @@ def main():
         wide = copy.deepcopy(model).float() if dtype == "bfloat16" else None
         fsdp.shard(model, symmetries)
         before = [p.to_local().clone() for p in model.parameters()]
-        gathers = BACKWARD_GATHERS[0]
-        loss_fn(model, batches[0]).backward()  # a training step: FSDP gathers for backward
-        results[f"{name}/step backward gathers"] = BACKWARD_GATHERS[0] - gathers
+        gathers = dict(GATHERS)
+        loss_fn(model, batches[0]).backward()  # a training step: FSDP gathers every layer
+        results[f"{name}/step gathers"] = [GATHERS[k] - gathers[k] for k in gathers]
         model.zero_grad(set_to_none=True)
         for measure, case in plan(name):
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
-            reads, held, gathers = BASE_READS[0], HELD[0], BACKWARD_GATHERS[0]
+            reads, held, gathers, checked = BASE_READS[0], HELD[0], dict(GATHERS), dict(CHECKED)
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
             reads, held = BASE_READS[0] - reads, HELD[0] - held
-            gathers = BACKWARD_GATHERS[0] - gathers
+            checked = [CHECKED[k] - checked[k] for k in checked]
+            gathers = [GATHERS[k] - gathers[k] - c for k, c in zip(gathers, checked)]
             if rank != 0:  # the one-process references (and the results) are rank 0's
                 continue
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
@@ -524,7 +620,7 @@ def main():
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
-                "base reads": reads, "held": held, "backward gathers": gathers,
+                "base reads": reads, "held": held, "gathers": gathers, "checked": checked,
             }  # fmt: skip
             if wide is not None:
                 kw["symmetries"] = symmetries  # found on the half-precision model
@@ -532,7 +628,7 @@ def main():
                 results[f"{name}/{measure}/{case}"]["float32"] = float32.value
         same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
         grads = all(p.grad is None for p in model.parameters())
-        flags = all(unshard_flags(model))  # FSDP gathers for backward again, as it did
+        flags = all(unshard_flags(model))  # FSDP gathers again, as it did
         results[f"{name}/model unchanged"] = bool(same and grads and flags)
     if rank == 0:
         with open(out, "w") as f:

@@ -79,7 +79,8 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
         if name in ("errors", "checkpointed", "split") or name.startswith("sam:"):
             continue
         assert results[f"{name}/model unchanged"] is True
-        assert results.pop(f"{name}/step backward gathers") > 0  # the control: a training step
+        # the control: a training step, whose FSDP gathers every layer in both passes
+        assert min(results.pop(f"{name}/step gathers")) > 0
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
         assert set(cases) == {f"{name}/{m}/{c}" for m, c in plan(name)}
         tol = TOLERANCE[name.split("-")[1]]
@@ -88,9 +89,14 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
             # no head cut here: the pair states read their blocks from the shards where used
             assert (case["base reads"] > 0) == key.split("/")[1].startswith("geodesic"), key
             assert case["held"] == 0, key
-            # a layer whose parameters are all perturbed is not gathered by FSDP for backward
-            # (the measure computes on its own gathers); attention-only keeps the MLP's
-            assert (case["backward gathers"] == 0) == ("attn" not in key), key
+            # a layer whose parameters are all perturbed is not gathered by FSDP, neither
+            # for forward nor for backward (the measure computes on its own gathers);
+            # attention-only keeps the MLP's, gathered in both
+            for gathers in case["gathers"]:
+                assert (gathers == 0) == ("attn" not in key), key
+            # the set-up's check of reads outside the owners: one forward, FSDP gathering
+            # every layer as for training
+            assert case["checked"][0] > 0 and case["checked"][1] == 0, key
             assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-12)
             for one, many in zip(case["one"], case["many"], strict=True):
                 assert abs(many - one) <= tol * abs(one), (key, one, many)
@@ -107,19 +113,24 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     processes: a 3-head BERT of 12 features (every head cut on 4 processes, the middle
     one on 2) and a LLaMA with one key/value head of 4 rows, float64 and bfloat16 (float32
     perturbations); each cut row is kept by one process and its entries moved through a
-    buffer. Every case equals one process (also with every stack cut into runs of one
-    head, :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value
-    heads each such run lies on one process, the other holding none; there, on 2
-    processes, every run reads its blocks from the shards where used, none holding a
-    copy, even a run of which one side lies wholly on the other process), with the pairs
-    found before sharding and on the sharded model's structure, and the shards are
-    unchanged afterwards. Pairs found on the structure are checked on the sharded model
-    (its attention units' weights all-gathered): all verified, and a query squashed by a
+    buffer, the positions of those entries held as runs of their rows. Every case equals
+    one process (also with every stack cut into runs of one head,
+    :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value heads
+    each such run lies on one process, the other holding none; there, on 2 processes,
+    every run reads its blocks from the shards where used, none holding a copy, even a
+    run of which one side lies wholly on the other process), with the pairs found before
+    sharding and on the sharded model's structure, and the shards are unchanged
+    afterwards. Pairs found on the structure are checked on the sharded model (its
+    attention units' weights all-gathered): all verified, and a query squashed by a
     forward hook, which the structure does not show, gets its pair refuted and
     dropped."""
     from fsdp_worker import SPLIT, split_plan
 
     results = runs[nproc]["results"]["split"]
+    # the cut rows' positions (entries held here, places in the buffer and the blocks)
+    # are held as runs of their rows, never as one int64 per entry
+    compact, made = results["split positions as runs"]
+    assert made > 0 and compact == made
     for name in SPLIT:
         assert results[f"{name}/unchanged"] is True
         tol = TOLERANCE["bfloat16" if "bfloat16" in name else "float64"]
@@ -180,6 +191,15 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     hooks_and_flags, shards_kept, again = messages["bfloat16 after raising"]
     assert hooks_and_flags and shards_kept and again == many
     assert "has submodules" in messages["bfloat16 owner with submodules"]
+    # an embedding's weight read by the model itself, for its output: float64 gets the
+    # one-process value (the point written into the shards), bfloat16 a refusal
+    elsewhere = messages["read elsewhere"]
+    for part in ("whole", "embedding"):
+        one, many = elsewhere[f"torch.float64/{part}"]
+        assert abs(many - one) <= 1e-8 * abs(one), part
+        said = elsewhere[f"torch.bfloat16/{part}"]
+        assert said.startswith("emb.weight is read outside the forward of the module"), said
+    assert elsewhere["torch.float64/unchanged"] and elsewhere["torch.bfloat16/unchanged"]
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 __all__ = [
     "ParameterLayout",
+    "Runs",
     "Segment",
     "column_starts",
     "gather_strided",
@@ -185,6 +186,51 @@ def row_segments(
         if min(sr, sc) < 0 or (sr == 0 and nr > 1) or sc == 0:
             return None
     return segments
+
+
+class Runs:
+    """A flat int64 index held as its rows' arithmetic runs: row ``i`` is
+    ``first[i] + step[i] * arange(count[i])``, and :meth:`expand` makes the index where
+    it is used (``3`` numbers a row instead of ``count``). An index whose rows are not
+    such runs is held as it is.
+
+    >>> import torch
+    >>> index = torch.cat([torch.arange(0, 32, 4), torch.arange(50, 58), torch.tensor([9])])
+    >>> runs = Runs(index, torch.tensor([8, 8, 1]))
+    >>> torch.equal(runs.expand(), index), runs.explicit is None
+    (True, True)
+    >>> Runs(index, torch.tensor([4, 8, 5])).explicit is None  # 16, 20, 24, 28, 50 is no run
+    False
+    """
+
+    def __init__(self, index: Tensor, counts: Tensor):
+        self.numel, self.explicit = index.numel(), None
+        counts = counts[counts > 0].to(device=index.device, dtype=torch.long)
+        if int(counts.sum()) != self.numel:
+            raise ValueError(f"rows of {int(counts.sum())} entries for an index of {self.numel}")
+        starts = torch.cumsum(counts, 0) - counts
+        first = index[starts]
+        second = index[torch.where(counts > 1, starts + 1, starts)]
+        self.counts, self.step = counts, second - first
+        self.base = first - self.step * starts  # entry k of row i: base[i] + step[i] * k
+        if not torch.equal(self.expand(), index):
+            self.explicit, self.counts, self.step, self.base = index, None, None, None
+
+    def expand(self) -> Tensor:
+        """The index, made."""
+        if self.explicit is not None:
+            return self.explicit
+        out = torch.repeat_interleave(self.step, self.counts, output_size=self.numel)
+        out.mul_(torch.arange(self.numel, device=out.device))
+        return out.add_(torch.repeat_interleave(self.base, self.counts, output_size=self.numel))
+
+    def to(self, device: torch.device) -> Runs:
+        out = Runs.__new__(Runs)
+        out.numel = self.numel
+        for name in ("explicit", "counts", "step", "base"):
+            value = getattr(self, name)
+            setattr(out, name, None if value is None else value.to(device))
+        return out
 
 
 def _view(flat: Tensor, seg: Segment, h: int) -> Tensor:

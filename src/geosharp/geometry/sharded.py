@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..layout import (
     ParameterLayout,
+    Runs,
     _view,
     locate_segments,
     read_located,
@@ -110,17 +111,22 @@ class Split:
     ``size`` entries (``h`` per split row, the same on every process): ``mine`` are the
     local flat positions of the entries held here and ``mine_at`` their places in the
     buffer; ``block`` the places in this process's ``(B, n_local, h)`` block (flattened)
-    of the split rows it keeps, ``block_at`` theirs in the buffer."""
+    of the split rows it keeps, ``block_at`` theirs in the buffer. Each is held as the
+    runs of its rows (:class:`~geosharp.layout.Runs`) and made where used."""
 
     size: int
-    mine: Tensor
-    mine_at: Tensor
-    block: Tensor
-    block_at: Tensor
+    mine_runs: Runs
+    mine_at_runs: Runs
+    block_runs: Runs
+    block_at_runs: Runs
+
+    @property
+    def mine(self) -> Tensor:
+        return self.mine_runs.expand()
 
     def to(self, device: torch.device) -> Split:
-        move = [t.to(device) for t in (self.mine, self.mine_at, self.block, self.block_at)]
-        return Split(self.size, *move)
+        runs = (self.mine_runs, self.mine_at_runs, self.block_runs, self.block_at_runs)
+        return Split(self.size, *(r.to(device) for r in runs))
 
     def _buffer(self, like: Tensor) -> Tensor:
         # all-reduced: half precision travels as float32 (exact)
@@ -130,18 +136,20 @@ class Split:
     def receive(self, mine: Tensor, total: Reduce) -> Tensor:
         """The buffer of every split row, whole, from each process's entries ``mine``."""
         out = self._buffer(mine)
-        out[self.mine_at] = mine.to(out.dtype)
+        out[self.mine_at_runs.expand()] = mine.to(out.dtype)
         return total(out)
 
     def fill_(self, block: Tensor, buffer: Tensor) -> None:
         """Write the split rows kept here into ``block`` from the ``buffer``."""
-        block.view(-1)[self.block] = buffer[self.block_at].to(block.dtype)
+        block.view(-1)[self.block_runs.expand()] = buffer[self.block_at_runs.expand()].to(
+            block.dtype
+        )
 
     def send(self, block: Tensor, total: Reduce) -> Tensor:
         """The values for :attr:`mine` of the split rows in the keepers' ``block``."""
         out = self._buffer(block)
-        out[self.block_at] = block.reshape(-1)[self.block].to(out.dtype)
-        return total(out)[self.mine_at]
+        out[self.block_at_runs.expand()] = block.reshape(-1)[self.block_runs.expand()].to(out.dtype)
+        return total(out)[self.mine_at_runs.expand()]
 
 
 def _read(params: dict[str, Tensor], names, layout: ParameterLayout, index: Tensor, out: Tensor):
@@ -251,8 +259,9 @@ class ShardedStack(StackedPairs):
             out.append(block)
         for block, split in zip(out, self.exchange):
             if split is not None:
-                mine = torch.zeros(split.mine.shape, dtype=dtype, device=self.device)
-                _read(params, names, layout, split.mine, mine)
+                index = split.mine
+                mine = torch.zeros(index.shape, dtype=dtype, device=self.device)
+                _read(params, names, layout, index, mine)
                 split.fill_(block, split.receive(mine, self._total))
         return out[0], out[1]
 
@@ -409,7 +418,7 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
             sides.append(torch.cat([_pad_rows(p[0], n_local) for p in parts]))
             rows.append(torch.cat([_pad_rows(p[1], n_local) for p in parts]))
             kept_at = torch.cat([_pad_rows(p[2], n_local) for p in parts])
-            exchange.append((done, kept_at, *(torch.cat([p[k] for p in parts]) for k in (3, 4))))
+            exchange.append((done, kept_at, *(torch.cat([p[k] for p in parts]) for k in (3, 4, 5))))
         # the heads of which a row is held here (a Shard(0) plan holds whole heads), and
         # those of them whose per-head values this process adds up (the last holder's)
         held = (rows[0] >= 0).any(1) | (rows[1] >= 0).any(1)
@@ -437,7 +446,7 @@ def localize(pairs: Sequence[PairSpec], shards: Shards, device: torch.device) ->
 def _split(x: tuple, heads: Tensor, h: int) -> Split | None:
     """The :class:`Split` of one side from :func:`_held_rows`' parts (``None`` when no
     row of it is cut), its kept rows placed in the blocks of the ``heads`` held here."""
-    count, kept_at, mine, mine_at = x
+    count, kept_at, mine, mine_at, counts = x
     if count == 0:
         return None
     kept_at = kept_at[heads]
@@ -445,19 +454,26 @@ def _split(x: tuple, heads: Tensor, h: int) -> Split | None:
     cols = torch.arange(h)
     block = ((b * kept_at.shape[1] + k) * h)[:, None] + cols
     block_at = (kept_at[b, k] * h)[:, None] + cols
-    return Split(count * h, mine, mine_at, block.reshape(-1), block_at.reshape(-1))
+    rows = torch.full((block.shape[0],), h)
+    return Split(
+        count * h,
+        Runs(mine, counts),
+        Runs(mine_at, counts),
+        Runs(block.reshape(-1), rows),
+        Runs(block_at.reshape(-1), rows),
+    )
 
 
 def _held_rows(
     spec: PairSpec, side: str, shards: Shards, before: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """One pair's rows held here: local positions ``(B, k, h)`` (held rows first, in
     their global order, ``-1`` rows after for heads that hold fewer, and on the split
     rows kept here, whose entries come through the buffer) and their global row
     numbers ``(B, k)`` (``-1`` there); the split rows kept here, by their number in the
     buffer (``(B, k)``, ``-1`` elsewhere, numbered after ``before``); the local
-    positions of the entries held here of split rows and their places in the buffer;
-    and the number of split rows."""
+    positions of the entries held here of split rows and their places in the buffer,
+    with the number of those entries in each row; and the number of split rows."""
     local = torch.cat([shards.to_local(b.param, b.index) for b in getattr(spec, side)], 1)
     held = local >= 0
     whole = held.all(-1)
@@ -477,7 +493,8 @@ def _held_rows(
     kept_at = torch.where(keep, torch.gather(number, 1, order), -1)
     entries = held & split[..., None]
     at = number[..., None] * local.shape[-1] + torch.arange(local.shape[-1])
-    return picked, row, kept_at, local[entries], at[entries], int(split.sum())
+    counts = entries.sum(-1).reshape(-1)  # entries per row, in the order of local[entries]
+    return picked, row, kept_at, local[entries], at[entries], counts, int(split.sum())
 
 
 def _pad_rows(x: Tensor, k: int) -> Tensor:

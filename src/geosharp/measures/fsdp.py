@@ -76,7 +76,10 @@ from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
 from ..params import (
+    checkpointing_kept,
     computing_in_float32,
+    evaluation_mode,
+    frozen_except,
     loss_value,
     owning_modules,
     plain_copy,
@@ -470,11 +473,14 @@ class ShardedGathered:
     float32 (their other weights and their inputs cast up, their outputs cast back).
 
     An FSDP2 module whose parameters are all perturbed never reads FSDP's own gathered
-    copies of them: inside :meth:`holding` FSDP does not gather them in backward
-    (its ``unshard_in_backward``, restored on leaving), which a training step would."""
+    copies of them: inside :meth:`holding` FSDP does not gather them, neither for the
+    forward nor for the backward (its parameter group's ``unshard`` is a no-op there,
+    and its ``unshard_in_backward`` off, both restored on leaving), which a training
+    step would."""
 
     def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half
+        self.named = list(named)
         self.world = dist.get_world_size()
         found = owning_modules(model, named)
         outside = _non_leaf(found)
@@ -504,9 +510,11 @@ class ShardedGathered:
         return _mean(loss, self.world)
 
     @contextlib.contextmanager
-    def holding(self, tensors: Mapping[str, Tensor]):
+    def holding(self, tensors: Mapping[str, Tensor], as_training: bool = False):
         """Inside, the owners compute on ``tensors`` (``{name: local slice}``, read on
-        each forward) all-gathered (in float32 for a half-precision model)."""
+        each forward) all-gathered (in float32 for a half-precision model); FSDP gathers
+        only what the owners do not replace (``as_training``: every layer, as for a
+        training step)."""
         half, open_ = self.half, []
 
         def before(module) -> None:
@@ -540,20 +548,54 @@ class ShardedGathered:
             _close(open_.pop())
 
         owners = [module for module, _ in self.owners.values()]
-        was = [group.unshard_in_backward for group in self.unread]
+        unread = [] if as_training else self.unread
+        was = [group.unshard_in_backward for group in unread]
         try:
-            for group in self.unread:
+            for group in unread:
                 group.unshard_in_backward = False
+                group.unshard = _no_gather  # shadows the method for this group only
             with computing_in_float32(owners, half, before, after):
                 yield
         finally:
             while open_:  # a forward that raised
                 _close(open_.pop())
-            for group, flag in zip(self.unread, was):
+            for group, flag in zip(unread, was):
                 group.unshard_in_backward = flag
+                group.__dict__.pop("unshard", None)
 
     def loss(self, batch) -> Tensor:
         return self.loss_fn(self.model, batch)
+
+    def read_elsewhere(self, base: Mapping[str, Tensor], batch) -> str | None:
+        """A perturbed parameter that the loss reads outside the forward of the modules
+        that hold it (a module above them computing with its weight, or the loss), where
+        the model's own weight is read instead of the perturbed one; ``None`` if there is
+        none. Found on one forward at ``base`` (local slices, read as :meth:`holding`
+        reads a point), FSDP gathering every layer as for training: the owners compute
+        on gathers of ``base``, so where the loss's autograd graph reaches the model's
+        own tensor for a perturbed parameter (its shard, or FSDP's gathered copy), it
+        was read elsewhere. A read that autograd does not see (under ``no_grad``,
+        through ``.detach()``) is not found. The model is left as it was."""
+        base = _Detached(base)
+        with (
+            evaluation_mode(self.model),
+            frozen_except(self.model, [n for n, _ in self.named]),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")  # the measure's own call warns
+            checkpointing_kept(self.model, lambda: self.evaluate(base, batch))
+            try:
+                with self.holding(base, as_training=True):
+                    loss = scalar_loss(self.loss(batch))
+                reached = _leaves(loss)
+                del loss  # the graph, and FSDP's hooks in it, never run
+            finally:
+                reshard(self.model)
+        stand_ins = _stand_ins(self.model, self.named)
+        found = {stand_ins[i] for i in reached if i in stand_ins}
+        index = next((i for i, (n, _) in enumerate(self.named) if n in found), -1)
+        index = int(all_reduce_max()(torch.tensor(float(index))))  # one verdict everywhere
+        return None if index < 0 else self.named[index][0]
 
     def evaluate(self, params: Mapping[str, Tensor], batch) -> Tensor:
         """The loss at ``params`` (local float32 slices), averaged over processes."""
@@ -567,27 +609,84 @@ class ShardedGathered:
         reshard(self.model)
 
 
+def _param_groups(model: nn.Module) -> list:
+    """FSDP2's parameter groups of ``model`` (private to FSDP2: ``[]`` where this
+    torch's FSDP2 keeps them otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        return [
+            group
+            for module in model.modules()
+            if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups
+        ]
+    except AttributeError:
+        return []
+
+
 def _groups_within(model: nn.Module, ids: set[int]) -> list:
     """FSDP2's parameter groups of ``model`` whose parameters all have their ``id`` in
     ``ids`` (none where this torch's FSDP2 keeps its groups otherwise: its gathers are
     then left as they are, which costs memory only)."""
-    from torch.distributed.fsdp import FSDPModule
+    return [
+        group
+        for group in _param_groups(model)
+        if isinstance(getattr(group, "unshard_in_backward", None), bool)
+        and callable(getattr(group, "unshard", None))
+        and all(id(getattr(fp, "sharded_param", None)) in ids for fp in group.fsdp_params)
+    ]
 
-    found = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
+
+def _stand_ins(model: nn.Module, named) -> dict[int, str]:
+    """``{id: name}`` of the tensors that stand for each parameter of ``named`` in the
+    model: the parameter (its shard) and FSDP2's gathered copy of it, once made."""
+    out = {id(p): n for n, p in named}
+    for group in _param_groups(model):
+        for fp in group.fsdp_params:
+            name = out.get(id(getattr(fp, "sharded_param", None)))
+            gathered = getattr(fp, "_unsharded_param", None)
+            if name is not None and gathered is not None:
+                out[id(gathered)] = name
+    return out
+
+
+def _leaves(loss: Tensor) -> set[int]:
+    """The ``id`` of every leaf tensor that ``loss``'s autograd graph reaches."""
+    out: set[int] = set()
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
             continue
-        try:
-            groups = module._get_fsdp_state()._fsdp_param_groups
-            found.extend(
-                group
-                for group in groups
-                if isinstance(group.unshard_in_backward, bool)
-                and all(id(fp.sharded_param) in ids for fp in group.fsdp_params)
-            )
-        except AttributeError:
-            return []
-    return found
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            out.add(id(variable))
+        stack.extend(f for f, _ in node.next_functions)
+    return out
+
+
+class _Detached(Mapping):
+    """``{name: tensor}`` read detached (no gradient reaches what it was read from)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name].detach()
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _no_gather(async_op: bool = False) -> None:
+    """A parameter group's ``unshard`` while none of its gathered parameters is read: its
+    modules stay on their shards, and FSDP's ``wait_for_unshard`` finds nothing to wait
+    for (no all-gather result)."""
 
 
 def _mean(loss: Tensor, world: int) -> Tensor:

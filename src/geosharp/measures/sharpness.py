@@ -248,7 +248,7 @@ def sharpness(
         if target.upcast and target.shards is None and autocast_dtype is None
         else None
     )
-    sharded = _sharded(model, target, loss_fn)
+    sharded = _sharded(model, target, loss_fn, first)
     # the precision of the rest of a model measured in float32 where it is perturbed
     half = mixed.half if mixed is not None else getattr(sharded, "half", None)
     settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
@@ -292,18 +292,27 @@ def sharpness(
     return _result(records, geo, estimator, rho, settings, target, nonfinite, strict)
 
 
-def _sharded(model, target: Target, loss_fn) -> ShardedModel | ShardedGathered | None:
+def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGathered | None:
     """The loss of a sharded model at a point: gathered from the measure's slices where
     the owners of the perturbed parameters are leaf modules (in float32 beside
-    half-precision shards), else written into its shards (``target.theta`` then
-    becomes a flat copy of them); ``None`` if not sharded."""
+    half-precision shards) and the loss reads those parameters nowhere else (checked
+    on ``batch``), else written into its shards (``target.theta`` then becomes a flat
+    copy of them; refused for half-precision shards); ``None`` if not sharded."""
     if target.shards is None:
         return None
-    if target.upcast:
-        half = target.named[0][1].dtype
-        return ShardedGathered(model, target.named, target.shards, loss_fn, half)
-    if leaf_owners(model, target.named) is None:
-        return ShardedGathered(model, target.named, target.shards, loss_fn)
+    if target.upcast or leaf_owners(model, target.named) is None:
+        half = target.named[0][1].dtype if target.upcast else None
+        gathered = ShardedGathered(model, target.named, target.shards, loss_fn, half)
+        elsewhere = gathered.read_elsewhere(Widened(target.theta, target.dtype), batch)
+        if elsewhere is None:
+            return gathered
+        if target.upcast:
+            raise UsageError(
+                f"{elsewhere} is read outside the forward of the module that holds it (by "
+                "a module above it, or by the loss), where a half-precision sharded model "
+                "cannot be given its float32 perturbation; compute with it through its "
+                "module, leave it out (parameters=...), or shard float32 parameters"
+            )
     target.theta = target.local_flat()
     return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
