@@ -79,6 +79,7 @@ MEASURES = {
 BASE_READS = [0]  # calls of ShardedStack.read_params: the pair states reading their blocks
 SPLIT_RUNS: list[bool] = []  # per position index of a cut row's buffer: held as runs
 HELD = [0]  # stacks with rows here, none cut, whose pair states hold a copy of their blocks
+CUT = [0, 0]  # stacks with rows cut across processes whose pair states hold / read them
 
 
 def _count_base_reads() -> None:
@@ -94,6 +95,7 @@ def _count_base_reads() -> None:
         out = reader(self, params)
         uncut = all(x is None for x in self.exchange)
         HELD[0] += out is None and uncut and self.shapes[0][0] > 0
+        CUT[0 if out is None else 1] += not uncut
         return out
 
     ShardedStack.read_params, ShardedStack.base_reader = counted, held
@@ -336,6 +338,7 @@ def split_heads():
     model's structure, and whether the shards are unchanged afterwards."""
     out = {}
     del SPLIT_RUNS[:]
+    CUT[:] = [0, 0]
     for name, (build, rho) in SPLIT.items():
         model, batches = build()
         symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
@@ -404,6 +407,7 @@ def split_heads():
             torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())
         ) and all(p.grad is None for p in model.parameters())
     out["split positions as runs"] = [sum(SPLIT_RUNS), len(SPLIT_RUNS)]
+    out["cut stacks holding, reading their blocks"] = list(CUT)
     return out
 
 
@@ -438,8 +442,12 @@ def read_elsewhere():
     """:class:`TiedHead` sharded (each layer, then the root: the embedding and the norm),
     measured whole and on the embedding alone (its FSDP group then also holds the norm,
     not perturbed): float64 equals one process, the point written into the shards (the
-    owners' gathers would leave the head's read unperturbed); bfloat16 is refused."""
+    owners' gathers would leave the head's read unperturbed); bfloat16 is refused. The
+    control: float64 on the embedding alone without the check, measured on the owners'
+    gathers, gets another value."""
     from torch.distributed.fsdp import fully_shard
+
+    from geosharp.measures.fsdp import ShardedGathered
 
     def loss(m, ids):
         logits = m(ids)
@@ -463,6 +471,13 @@ def read_elsewhere():
                 out[key] = [alone(plain, [ids], loss, "adaptive", **kw), many.value]
             except geosharp.UsageError as e:
                 out[key] = str(e)
+        if dtype == torch.float64:
+            check = ShardedGathered.read_elsewhere
+            ShardedGathered.read_elsewhere = lambda self, base, batch: None
+            try:
+                out["unchecked"] = geosharp.sharpness(model, [ids], loss, "adaptive", **kw).value
+            finally:
+                ShardedGathered.read_elsewhere = check
         out[f"{dtype}/unchanged"] = all(
             torch.equal(b, p.to_local()) and p.grad is None and p.requires_grad
             for b, p in zip(before, model.parameters())

@@ -131,6 +131,10 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     # are held as runs of their rows, never as one int64 per entry
     compact, made = results["split positions as runs"]
     assert made > 0 and compact == made
+    # and their pair states read their blocks where used, keeping the cut rows only
+    # (those whose held rows no strided view covers hold them, as uncut ones do)
+    holding, reading = results["cut stacks holding, reading their blocks"]
+    assert reading > 0, holding
     for name in SPLIT:
         assert results[f"{name}/unchanged"] is True
         tol = TOLERANCE["bfloat16" if "bfloat16" in name else "float64"]
@@ -200,6 +204,9 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
         said = elsewhere[f"torch.bfloat16/{part}"]
         assert said.startswith("emb.weight is read outside the forward of the module"), said
     assert elsewhere["torch.float64/unchanged"] and elsewhere["torch.bfloat16/unchanged"]
+    # the control: without the check, the head's read of the embedding stays unperturbed
+    one = elsewhere["torch.float64/embedding"][0]
+    assert abs(elsewhere["unchecked"] - one) > 0.1 * abs(one)
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 
@@ -277,17 +284,26 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
 
 def test_the_docs_show_the_committed_peak_profile():
     """docs/performance.md's account of the sharded measure's peak is the committed
-    ``benchmarks/fsdp_peak.py`` output: with FSDP's gathers for backward, and without."""
+    ``benchmarks/fsdp_peak.py`` output: without FSDP's gathers of fully perturbed
+    layers, against FSDP gathering every layer; and, before FSDP's forward gathers were
+    stopped, with and without its gathers for backward."""
     root = Path(__file__).resolve().parent.parent
-    runs = json.loads((root / "docs/results/fsdp/fsdp_peak.json").read_text())["runs"]
-    now, before = runs["measure"], runs["measure, FSDP gathers for backward"]
+    results = root / "docs/results/fsdp"
     docs = " ".join((root / "docs/performance.md").read_text().split())
+    runs = json.loads((results / "fsdp_peak.json").read_text())["runs"]
+    now, every = runs["measure"], runs["measure, FSDP gathers every layer"]
+    assert f"({now['peak']:.2f} of a shard against {every['peak']:.2f} with FSDP" in docs
+    assert now["at"].startswith("backward") and not any(
+        site.startswith("FSDP") for site, _ in now["alive"]
+    )
+    runs = json.loads((results / "fsdp_peak_before_forward.json").read_text())["runs"]
+    now, before = runs["measure"], runs["measure, FSDP gathers for backward"]
     assert f"({now['peak']:.2f} of a shard against {before['peak']:.2f} with FSDP's" in docs
     assert now["at"] != before["at"] and before["at"].startswith("backward")
     alive = dict(now["alive"])
     # FSDP's gather of the layer: its all-gather buffer and the unsharded weights, as large
     layer = 2 * alive["FSDP: allocate"]
-    assert f"FSDP2 has no switch for it: {layer:.2f})" in docs
+    assert f"FSDP2 has no public switch for it: {layer:.2f})" in docs
     assert f"own gather of one weight ({alive['measures/fsdp.py(387): gather']:.2f})" in docs
     six_before, six = (
         json.loads((root / f"docs/results/fsdp/fsdp_peak_h6_geodesic{x}.json").read_text())["runs"][

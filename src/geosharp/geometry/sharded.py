@@ -267,15 +267,40 @@ class ShardedStack(StackedPairs):
 
     def base_reader(self, params: dict[str, Tensor]):
         """``read(side, dtype)`` of the held rows of ``params`` (:meth:`read_params`), or
-        ``None`` where the state must hold its blocks: rows cut across processes (moved
-        by collectives, not repeated on every use), or held rows that no strided view
-        of one parameter covers."""
+        ``None`` where the state must hold its blocks: held rows that no strided view of
+        one parameter covers. Rows cut across processes come through a collective, made
+        once here: the reader keeps the cut rows this process keeps (their entries
+        only), and reads the rest where used."""
+        # a collective per cut side, made by every process (whatever it decides below)
+        cut = [None if x is None else self._cut_rows(params, x) for x in self.exchange]
         located = self._local_segments
-        if any(x is not None for x in self.exchange) or located is None or not any(located):
+        if located is None or not (any(located) or any(c is not None for c in cut)):
             return None
         if not all(params[name].is_contiguous() for side in located for _, name in side):
             return None
-        return lambda side, dtype=None: self.read_params(params, side, dtype)
+        kind = params[self.specs[0].g_blocks[0].param].dtype
+
+        def read(side: str, dtype: torch.dtype | None = None) -> Tensor:
+            i = 0 if side == "G" else 1
+            if located[i]:
+                out = self.read_params(params, side, dtype)
+            else:  # only rows cut across processes here
+                out = torch.zeros(self.shapes[i], dtype=dtype or kind, device=self.device)
+            if cut[i] is not None:
+                out.view(-1)[self.exchange[i].block_runs.expand()] = cut[i].to(out.dtype)
+            return out
+
+        return read
+
+    def _cut_rows(self, params: dict[str, Tensor], split: Split) -> Tensor:
+        """The entries of the cut rows this process keeps, in its blocks' order, from
+        ``params`` (a collective), in their dtype."""
+        names = {b.param for spec in self.specs for b in (*spec.g_blocks, *spec.h_blocks)}
+        index = split.mine
+        dtype = params[next(iter(names))].dtype
+        mine = torch.zeros(index.shape, dtype=dtype, device=self.device)
+        _read(params, names, self._local, index, mine)
+        return split.receive(mine, self._total)[split.block_at_runs.expand()].to(dtype)
 
     def read_params(
         self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None

@@ -43,13 +43,14 @@ from its own seed, and each process draws the blocks its slices meet (the number
 a single process, without a whole vector anywhere).
 
 Where every module that owns a perturbed parameter is a leaf (a ``Linear``, an
-``Embedding``, a norm), the model's shards are never written: each such module
-computes on its perturbed parameters all-gathered from the measure's point, the rest
-of the model runs through FSDP (:class:`ShardedGathered`). Half-precision
-(bfloat16/float16) shards are measured this way only: the measure's vectors are float32
-slices, and the owners compute in float32 on the float32 gathered parameters. Other
-float32 models get the point written into their shards, and the base point, kept as a
-flat copy, written back at the end (:class:`ShardedModel`).
+``Embedding``, a norm) and the loss reads those parameters nowhere else (checked at
+set-up, :meth:`ShardedGathered.read_elsewhere`), the model's shards are never written:
+each such module computes on its perturbed parameters all-gathered from the measure's
+point, the rest of the model runs through FSDP (:class:`ShardedGathered`).
+Half-precision (bfloat16/float16) shards are measured this way only: the measure's
+vectors are float32 slices, and the owners compute in float32 on the float32 gathered
+parameters. Other float32 models get the point written into their shards, and the base
+point, kept as a flat copy, written back at the end (:class:`ShardedModel`).
 
 Not available on a sharded model: ``entries=``, :func:`block_sharpness`,
 ``distributed=True`` (every process measures every batch), and the Hessian trace
