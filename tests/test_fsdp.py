@@ -319,6 +319,22 @@ def test_the_docs_show_the_committed_peak_profile():
     )
     assert "geometry/sharded.py(391): localize" not in dict(six["alive"])  # no positions held
     assert f"the peak {six_before['peak']:.2f} to {six['peak']:.2f} of a shard" in docs
+    # FSDP2's default plan, cutting heads: the positions of the cut rows, then the copy of
+    # the blocks of the stacks that have some
+    runs, reader, now = (
+        json.loads((results / f"fsdp_peak_h6_geodesic_default{x}.json").read_text())["runs"][
+            "measure"
+        ]
+        for x in ("_before_runs", "_before_reader", "")
+    )
+    held = dict(runs["alive"])
+    positions = sum(held[f"geometry/sharded.py({x}"] for x in ("437): _split", "412): <genexpr>"))
+    assert f"{positions:.2f} of a shard at the peak" in docs
+    copy = dict(reader["alive"])["geometry/sharded.py(250): gather_params"]
+    assert f"({copy:.2f} of a shard under the default plan" in docs
+    assert f"the peak {runs['peak']:.2f} to {reader['peak']:.2f} of a shard" in docs
+    assert f"the peak {reader['peak']:.2f} to {now['peak']:.2f} of a shard" in docs
+    assert not any("gather_params" in site or "_split" in site for site, _ in now["alive"])
 
 
 def test_the_docs_show_the_committed_cut_heads_benchmark():
