@@ -259,10 +259,7 @@ class ShardedStack(StackedPairs):
             out.append(block)
         for block, split in zip(out, self.exchange):
             if split is not None:
-                index = split.mine
-                mine = torch.zeros(index.shape, dtype=dtype, device=self.device)
-                _read(params, names, layout, index, mine)
-                split.fill_(block, split.receive(mine, self._total))
+                split.fill_(block, self._received(params, split))
         return out[0], out[1]
 
     def base_reader(self, params: dict[str, Tensor]):
@@ -292,15 +289,21 @@ class ShardedStack(StackedPairs):
 
         return read
 
-    def _cut_rows(self, params: dict[str, Tensor], split: Split) -> Tensor:
-        """The entries of the cut rows this process keeps, in its blocks' order, from
-        ``params`` (a collective), in their dtype."""
+    def _received(self, params: dict[str, Tensor], split: Split) -> Tensor:
+        """``split``'s buffer of cut rows, whole, from the entries of ``params`` held
+        here (a collective)."""
         names = {b.param for spec in self.specs for b in (*spec.g_blocks, *spec.h_blocks)}
         index = split.mine
         dtype = params[next(iter(names))].dtype
         mine = torch.zeros(index.shape, dtype=dtype, device=self.device)
         _read(params, names, self._local, index, mine)
-        return split.receive(mine, self._total)[split.block_at_runs.expand()].to(dtype)
+        return split.receive(mine, self._total)
+
+    def _cut_rows(self, params: dict[str, Tensor], split: Split) -> Tensor:
+        """The entries of the cut rows this process keeps, in its blocks' order, from
+        ``params`` (a collective), in their dtype."""
+        kept = self._received(params, split)[split.block_at_runs.expand()]
+        return kept.to(params[self.specs[0].g_blocks[0].param].dtype)
 
     def read_params(
         self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None
