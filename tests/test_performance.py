@@ -155,6 +155,22 @@ def test_located_segments_read_blocks_out_of_their_parameters(seed):
     assert torch.equal(strided, w) and not read_located({"a": a, "w": strided}, located, out)
 
 
+def test_located_segments_cut_heads_that_lie_in_different_parameters():
+    """The same block of two layers, one head each, a stride apart in the flat layout:
+    one segment, located as one head in each parameter, and read out of both."""
+    w0, w1 = torch.randn(6, 5, dtype=F64), torch.randn(6, 5, dtype=F64)
+    layout = ParameterLayout.from_named([("w0", w0), ("w1", w1)])
+    b, r, c = torch.meshgrid(torch.arange(2), torch.arange(5), torch.arange(3), indexing="ij")
+    index = b * 30 + r + c * 5  # rows: input features; a head: 3 output rows
+    segments = strided_segments(index)
+    assert len(segments) == 1 and segments[0][1] == 2  # both heads in one segment
+    located = locate_segments(segments, layout, 3)
+    assert [name for _, name in located] == ["w0", "w1"]
+    out = torch.empty(2, 5, 3, dtype=F64)
+    assert read_located({"w0": w0, "w1": w1}, located, out)
+    assert torch.equal(out, torch.cat([w0.reshape(-1), w1.reshape(-1)])[index])
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_strided_segments_random_layouts(seed):
     """Random (partly affine) index blocks: whenever segments are found they describe the

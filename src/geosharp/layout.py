@@ -252,28 +252,47 @@ def locate_segments(
     """Each segment of a flat vector of ``layout`` as ``(segment, name)``, its offset
     counted in the parameter ``name`` it lies in (:func:`read_located`): a segment whose
     rows run on into the next parameter (a weight's rows, then its bias row) is cut
-    there. ``None`` where a row leaves its parameter.
+    there, and one whose heads lie in different parameters (the same block of two
+    layers) is cut into its heads. ``None`` where a row leaves its parameter.
 
     >>> layout = ParameterLayout.from_named([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
     >>> locate_segments([(0, 1, 0, 3, 0, 0, 3, 1)], layout, 3)  # two weight rows, a bias row
     [((0, 1, 0, 2, 0, 0, 3, 1), 'w'), ((0, 1, 2, 1, 0, 0, 3, 1), 'b')]
+    >>> layout = ParameterLayout.from_named([("w0", torch.zeros(2, 3)), ("w1", torch.zeros(2, 3))])
+    >>> locate_segments([(0, 2, 0, 2, 0, 6, 3, 1)], layout, 3)  # a head in each weight
+    [((0, 1, 0, 2, 0, 6, 3, 1), 'w0'), ((1, 1, 0, 2, 0, 6, 3, 1), 'w1')]
     """
     out = []
-    for b0, nb, r0, nr, offset, sb, sr, sc in segments:
-        span = (nb - 1) * sb + (h - 1) * sc  # from a row's first entry to its last
-        r = 0
-        while r < nr:
-            first = offset + r * sr
-            i = bisect.bisect_right(layout.offsets, first) - 1
-            if i < 0:
-                return None
-            start = layout.offsets[i]
-            stop = start + math.prod(layout.shapes[i])
-            if first + span >= stop:
-                return None
-            rows = nr - r if sr == 0 else min(nr - r, (stop - 1 - span - first) // sr + 1)
-            out.append(((b0, nb, r0 + r, rows, first - start, sb, sr, sc), layout.names[i]))
-            r += rows
+    for seg in segments:
+        located = _locate(seg, layout, h)
+        b0, nb, r0, nr, offset, sb, sr, sc = seg
+        if located is None and nb > 1:  # its heads in different parameters: one by one
+            heads = [_locate((b0 + k, 1, r0, nr, offset + k * sb, sb, sr, sc), layout, h)
+                     for k in range(nb)]  # fmt: skip
+            located = None if None in heads else [x for head in heads for x in head]
+        if located is None:
+            return None
+        out.extend(located)
+    return out
+
+
+def _locate(segment: Segment, layout: ParameterLayout, h: int) -> list | None:
+    """:func:`locate_segments` of one segment, all its heads in the same parameters."""
+    b0, nb, r0, nr, offset, sb, sr, sc = segment
+    span = (nb - 1) * sb + (h - 1) * sc  # from a row's first entry to its last
+    out, r = [], 0
+    while r < nr:
+        first = offset + r * sr
+        i = bisect.bisect_right(layout.offsets, first) - 1
+        if i < 0:
+            return None
+        start = layout.offsets[i]
+        stop = start + math.prod(layout.shapes[i])
+        if first + span >= stop:
+            return None
+        rows = nr - r if sr == 0 else min(nr - r, (stop - 1 - span - first) // sr + 1)
+        out.append(((b0, nb, r0 + r, rows, first - start, sb, sr, sc), layout.names[i]))
+        r += rows
     return out
 
 
