@@ -152,14 +152,11 @@ def _count_gathers() -> None:
 def unshard_flags(model) -> list[bool]:
     """Whether FSDP2 gathers each parameter group of ``model`` as it did: its
     ``unshard_in_backward`` on, its ``unshard`` the class's own."""
-    from torch.distributed.fsdp import FSDPModule
+    from geosharp.measures.fsdp import _param_groups
 
-    return [
-        group.unshard_in_backward and "unshard" not in vars(group)
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-        for group in m._get_fsdp_state()._fsdp_param_groups
-    ]
+    groups = _param_groups(model)
+    assert groups, "no FSDP2 parameter groups found"  # the check could not fail
+    return [group.unshard_in_backward and "unshard" not in vars(group) for group in groups]
 
 
 def plan(name: str) -> list[tuple[str, str]]:

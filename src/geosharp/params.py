@@ -24,6 +24,7 @@ __all__ = [
     "LossFunction",
     "aliases",
     "checkpoint_errors",
+    "checkpoint_holders",
     "checkpointing_kept",
     "computing_in_float32",
     "evaluation_mode",
@@ -157,6 +158,20 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
             module.training = flag
 
 
+def checkpoint_holders(model: nn.Module) -> list[nn.Module] | None:
+    """The modules of ``model`` that hold Hugging Face's ``gradient_checkpointing`` flag
+    (``[]``: none), or ``None`` where a checkpoint function is reentrant."""
+    holders = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not holders:
+        return holders
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        keywords = getattr(func, "keywords", None)
+        if func is not None and (keywords is None or keywords.get("use_reentrant") is not False):
+            return None
+    return holders
+
+
 def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
     """Inside :func:`evaluation_mode`: keep Hugging Face activation checkpointing on.
 
@@ -171,20 +186,17 @@ def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
     and a warning says why)."""
     import warnings
 
-    holders = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    holders = checkpoint_holders(model)
+    if holders is None:
+        warnings.warn(
+            "activation checkpointing is off during the measure: a reentrant checkpoint "
+            "cannot differentiate with respect to the measured parameters alone; enable it "
+            "with gradient_checkpointing_kwargs={'use_reentrant': False}",
+            stacklevel=4,
+        )
+        return False
     if not holders:
         return False
-    for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        keywords = getattr(func, "keywords", None)
-        if func is not None and (keywords is None or keywords.get("use_reentrant") is not False):
-            warnings.warn(
-                "activation checkpointing is off during the measure: a reentrant checkpoint "
-                "cannot differentiate with respect to the measured parameters alone; enable it "
-                "with gradient_checkpointing_kwargs={'use_reentrant': False}",
-                stacklevel=4,
-            )
-            return False
     with torch.no_grad():
         reference = loss()
         for module in holders:

@@ -268,14 +268,18 @@ class ShardedStack(StackedPairs):
         one parameter covers. Rows cut across processes come through a collective, made
         once here: the reader keeps the cut rows this process keeps (their entries
         only), and reads the rest where used."""
-        # a collective per cut side, made by every process (whatever it decides below)
-        cut = [None if x is None else self._cut_rows(params, x) for x in self.exchange]
+        kind = params[self.specs[0].g_blocks[0].param].dtype
+        # the cut rows kept here, in the blocks' order: a collective per cut side, made by
+        # every process (whatever it decides below)
+        cut = [
+            None if x is None else self._received(params, x)[x.block_at_runs.expand()].to(kind)
+            for x in self.exchange
+        ]
         located = self._local_segments
         if located is None or not (any(located) or any(c is not None for c in cut)):
             return None
         if not all(params[name].is_contiguous() for side in located for _, name in side):
             return None
-        kind = params[self.specs[0].g_blocks[0].param].dtype
 
         def read(side: str, dtype: torch.dtype | None = None) -> Tensor:
             i = 0 if side == "G" else 1
@@ -298,12 +302,6 @@ class ShardedStack(StackedPairs):
         mine = torch.zeros(index.shape, dtype=dtype, device=self.device)
         _read(params, names, self._local, index, mine)
         return split.receive(mine, self._total)
-
-    def _cut_rows(self, params: dict[str, Tensor], split: Split) -> Tensor:
-        """The entries of the cut rows this process keeps, in its blocks' order, from
-        ``params`` (a collective), in their dtype."""
-        kept = self._received(params, split)[split.block_at_runs.expand()]
-        return kept.to(params[self.specs[0].g_blocks[0].param].dtype)
 
     def read_params(
         self, params: dict[str, Tensor], side: str, dtype: torch.dtype | None = None

@@ -77,7 +77,7 @@ from ..errors import UsageError
 from ..geometry.sharded import Shards
 from ..layout import ParameterLayout
 from ..params import (
-    checkpointing_kept,
+    checkpoint_holders,
     computing_in_float32,
     evaluation_mode,
     frozen_except,
@@ -571,20 +571,18 @@ class ShardedGathered:
         """A perturbed parameter that the loss reads outside the forward of the modules
         that hold it (a module above them computing with its weight, or the loss), where
         the model's own weight is read instead of the perturbed one; ``None`` if there is
-        none. Found on one forward at ``base`` (local slices, read as :meth:`holding`
-        reads a point), FSDP gathering every layer as for training: the owners compute
-        on gathers of ``base``, so where the loss's autograd graph reaches the model's
-        own tensor for a perturbed parameter (its shard, or FSDP's gathered copy), it
-        was read elsewhere. A read that autograd does not see (under ``no_grad``,
-        through ``.detach()``) is not found. The model is left as it was."""
-        base = _Detached(base)
-        with (
-            evaluation_mode(self.model),
-            frozen_except(self.model, [n for n, _ in self.named]),
-            warnings.catch_warnings(),
-        ):
-            warnings.simplefilter("ignore")  # the measure's own call warns
-            checkpointing_kept(self.model, lambda: self.evaluate(base, batch))
+        none. Found on one forward at ``base`` (local slices that do not require grad,
+        read as :meth:`holding` reads a point), FSDP gathering every layer as for
+        training: the owners compute on gathers of ``base``, so where the loss's
+        autograd graph reaches the model's own tensor for a perturbed parameter (its
+        shard, or FSDP's gathered copy), it was read elsewhere. A read that autograd does
+        not see (under ``no_grad``, through ``.detach()``) is not found. The model is
+        left as it was."""
+        with evaluation_mode(self.model), frozen_except(self.model, [n for n, _ in self.named]):
+            # Hugging Face's checkpointing as the measure keeps it (unverified here: only
+            # which tensors the graph reaches counts); a reentrant one would hide them
+            for module in checkpoint_holders(self.model) or []:
+                module.training = True
             try:
                 with self.holding(base, as_training=True):
                     loss = scalar_loss(self.loss(batch))
@@ -666,22 +664,6 @@ def _leaves(loss: Tensor) -> set[int]:
             out.add(id(variable))
         stack.extend(f for f, _ in node.next_functions)
     return out
-
-
-class _Detached(Mapping):
-    """``{name: tensor}`` read detached (no gradient reaches what it was read from)."""
-
-    def __init__(self, tensors: Mapping[str, Tensor]):
-        self.tensors = tensors
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self.tensors[name].detach()
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def _no_gather(async_op: bool = False) -> None:
