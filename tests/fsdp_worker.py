@@ -444,6 +444,7 @@ def read_elsewhere():
     gathers, gets another value."""
     from torch.distributed.fsdp import fully_shard
 
+    from geosharp.measures import fsdp as measures_fsdp
     from geosharp.measures.fsdp import ShardedGathered
 
     def loss(m, ids):
@@ -475,6 +476,16 @@ def read_elsewhere():
                 out["unchecked"] = geosharp.sharpness(model, [ids], loss, "adaptive", **kw).value
             finally:
                 ShardedGathered.read_elsewhere = check
+        # a torch whose FSDP2 groups geosharp cannot read: float64 written into its shards
+        # (the one-process value), bfloat16 measured with a warning
+        groups, measures_fsdp._param_groups = measures_fsdp._param_groups, lambda model: []
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                value = geosharp.sharpness(model, [ids], loss, "adaptive", **kw).value
+            out[f"{dtype}/groups unread"] = [value, [str(w.message) for w in said]]
+        finally:
+            measures_fsdp._param_groups = groups
         out[f"{dtype}/unchanged"] = all(
             torch.equal(b, p.to_local()) and p.grad is None and p.requires_grad
             for b, p in zip(before, model.parameters())

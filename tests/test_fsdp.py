@@ -206,6 +206,10 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     # the control: without the check, the head's read of the embedding stays unperturbed
     one = elsewhere["torch.float64/embedding"][0]
     assert abs(elsewhere["unchecked"] - one) > 0.1 * abs(one)
+    # where FSDP2's groups cannot be read: float64 written into the shards, bfloat16 said
+    value, said = elsewhere["torch.float64/groups unread"]
+    assert abs(value - one) <= 1e-8 * abs(one) and not any("parameter groups" in w for w in said)
+    assert any("is not checked for" in w for w in elsewhere["torch.bfloat16/groups unread"][1])
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 

@@ -567,6 +567,12 @@ class ShardedGathered:
     def loss(self, batch) -> Tensor:
         return self.loss_fn(self.model, batch)
 
+    @property
+    def checkable(self) -> bool:
+        """Whether :meth:`read_elsewhere` can see FSDP2's gathered copies (it reads
+        FSDP2's parameter groups, private to FSDP2)."""
+        return bool(_param_groups(self.model))
+
     def read_elsewhere(self, base: Mapping[str, Tensor], batch) -> str | None:
         """A perturbed parameter that the loss reads outside the forward of the modules
         that hold it (a module above them computing with its weight, or the loss), where

@@ -296,23 +296,36 @@ def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGat
     """The loss of a sharded model at a point: gathered from the measure's slices where
     the owners of the perturbed parameters are leaf modules (in float32 beside
     half-precision shards) and the loss reads those parameters nowhere else (checked
-    on ``batch``), else written into its shards (``target.theta`` then becomes a flat
-    copy of them; refused for half-precision shards); ``None`` if not sharded."""
+    on ``batch``; a float32 model whose check cannot run is written into, a
+    half-precision one measured with a warning), else written into its shards
+    (``target.theta`` then becomes a flat copy of them; refused for half-precision
+    shards); ``None`` if not sharded."""
     if target.shards is None:
         return None
     if target.upcast or leaf_owners(model, target.named) is None:
         half = target.named[0][1].dtype if target.upcast else None
         gathered = ShardedGathered(model, target.named, target.shards, loss_fn, half)
-        elsewhere = gathered.read_elsewhere(Widened(target.theta, target.dtype), batch)
-        if elsewhere is None:
-            return gathered
-        if target.upcast:
-            raise UsageError(
-                f"{elsewhere} is read outside the forward of the module that holds it (by "
-                "a module above it, or by the loss), where a half-precision sharded model "
-                "cannot be given its float32 perturbation; compute with it through its "
-                "module, leave it out (parameters=...), or shard float32 parameters"
+        if gathered.checkable:
+            elsewhere = gathered.read_elsewhere(Widened(target.theta, target.dtype), batch)
+            if elsewhere is None:
+                return gathered
+            if target.upcast:
+                raise UsageError(
+                    f"{elsewhere} is read outside the forward of the module that holds it "
+                    "(by a module above it, or by the loss), where a half-precision sharded "
+                    "model cannot be given its float32 perturbation; compute with it through "
+                    "its module, leave it out (parameters=...), or shard float32 parameters"
+                )
+        elif target.upcast:  # no other way to measure half-precision shards: said so
+            import warnings
+
+            warnings.warn(
+                "this torch's FSDP2 keeps its parameter groups where geosharp cannot read "
+                "them: a perturbed weight read outside its module's forward (a tied head "
+                "written by hand) is not checked for, and would be read unperturbed",
+                stacklevel=3,
             )
+            return gathered
     target.theta = target.local_flat()
     return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
