@@ -466,14 +466,16 @@ def read_elsewhere():
             key = f"{dtype}/{'whole' if parameters is None else 'embedding'}"
             try:
                 many = geosharp.sharpness(model, [ids], loss, "adaptive", **kw)
-                out[key] = [alone(plain, [ids], loss, "adaptive", **kw), many.value]
+                out[key] = [alone(plain, [ids], loss, "adaptive", **kw), many.value,
+                            many.settings["sharded_point"]]  # fmt: skip
             except geosharp.UsageError as e:
                 out[key] = str(e)
         if dtype == torch.float64:
             check = ShardedGathered.read_elsewhere
             ShardedGathered.read_elsewhere = lambda self, base, batch: None
             try:
-                out["unchecked"] = geosharp.sharpness(model, [ids], loss, "adaptive", **kw).value
+                unchecked = geosharp.sharpness(model, [ids], loss, "adaptive", **kw)
+                out["unchecked"] = [unchecked.value, unchecked.settings["sharded_point"]]
             finally:
                 ShardedGathered.read_elsewhere = check
         # a torch whose FSDP2 groups geosharp cannot read: float64 written into its shards
@@ -482,8 +484,12 @@ def read_elsewhere():
         try:
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
-                value = geosharp.sharpness(model, [ids], loss, "adaptive", **kw).value
-            out[f"{dtype}/groups unread"] = [value, [str(w.message) for w in said]]
+                unread = geosharp.sharpness(model, [ids], loss, "adaptive", **kw)
+            out[f"{dtype}/groups unread"] = [
+                unread.value,
+                [str(w.message) for w in said],
+                unread.settings["sharded_point"],
+            ]
         finally:
             measures_fsdp._param_groups = groups
         out[f"{dtype}/unchanged"] = all(

@@ -198,18 +198,23 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     # one-process value (the point written into the shards), bfloat16 a refusal
     elsewhere = messages["read elsewhere"]
     for part in ("whole", "embedding"):
-        one, many = elsewhere[f"torch.float64/{part}"]
+        one, many, point = elsewhere[f"torch.float64/{part}"]
         assert abs(many - one) <= 1e-8 * abs(one), part
+        assert point == "written into the shards", point  # the results say which path
         said = elsewhere[f"torch.bfloat16/{part}"]
         assert said.startswith("emb.weight is read outside the forward of the module"), said
     assert elsewhere["torch.float64/unchanged"] and elsewhere["torch.bfloat16/unchanged"]
     # the control: without the check, the head's read of the embedding stays unperturbed
     one = elsewhere["torch.float64/embedding"][0]
-    assert abs(elsewhere["unchecked"] - one) > 0.1 * abs(one)
+    unchecked, point = elsewhere["unchecked"]
+    assert abs(unchecked - one) > 0.1 * abs(one) and point == "gathered"
     # where FSDP2's groups cannot be read: float64 written into the shards, bfloat16 said
-    value, said = elsewhere["torch.float64/groups unread"]
+    value, said, point = elsewhere["torch.float64/groups unread"]
     assert abs(value - one) <= 1e-8 * abs(one) and not any("parameter groups" in w for w in said)
-    assert any("is not checked for" in w for w in elsewhere["torch.bfloat16/groups unread"][1])
+    assert point == "written into the shards"
+    _, said, point = elsewhere["torch.bfloat16/groups unread"]
+    assert any("is not checked for" in w for w in said)
+    assert point == "gathered, reads outside the owners not checked"
     assert "double backward" in messages["hessian"]
     assert "block_sharpness is not available on a sharded model" in messages["per"]
 

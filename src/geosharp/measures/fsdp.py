@@ -325,6 +325,8 @@ class ShardedModel:
     model's own local shards (``theta``, a copy, is written back by :meth:`restore`),
     the forward and backward run through FSDP, the loss is averaged over processes."""
 
+    point = "written into the shards"  # how the point reaches the model (``settings``)
+
     def __init__(self, model: nn.Module, named, locals_: list[Tensor], layout, loss_fn):
         self.model, self.layout, self.loss_fn = model, layout, loss_fn
         self.params = [p for _, p in named]
@@ -478,6 +480,8 @@ class ShardedGathered:
     forward nor for the backward (its parameter group's ``unshard`` is a no-op there,
     and its ``unshard_in_backward`` off, both restored on leaving), which a training
     step would."""
+
+    point = "gathered"  # how the point reaches the model (``settings``)
 
     def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half

@@ -256,6 +256,7 @@ def sharpness(
         settings["entries"] = {n: len(i) for n, i in entries.items()}
     if sharded is not None:
         settings["sharded"] = torch.distributed.get_world_size()
+        settings["sharded_point"] = sharded.point
     shown = (torch.distributed.get_rank() if sharded is not None else rank) == 0
     n_batches = total if max_batches is None or total is None else min(total, max_batches)
     steps = Progress(
@@ -325,6 +326,7 @@ def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGat
                 "written by hand) is not checked for, and would be read unperturbed",
                 stacklevel=3,
             )
+            gathered.point = "gathered, reads outside the owners not checked"
             return gathered
     target.theta = target.local_flat()
     return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
