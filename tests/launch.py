@@ -19,31 +19,38 @@ def free_port() -> int:
 def run_python(args: list[str], nproc: int, cwd=None, timeout: float = 600) -> str:
     """Run and return stdout; fail with the end of the logs. A failed ``torchrun``
     launch is retried once on a fresh port (runs resume, so a retry is harmless)."""
+    for attempt in range(2):
+        proc = launch(args, nproc, cwd, timeout)
+        if proc.returncode == 0 or nproc == 1 or attempt == 1:
+            break
+        warnings.warn(f"torchrun failed, retrying once: {proc.stderr[-2000:]}", stacklevel=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def launch(
+    args: list[str], nproc: int, cwd=None, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """One run of ``python ARGS`` (under ``torchrun`` for ``nproc > 1``), with
+    ``env`` added to the environment; whatever its exit status."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "GLOO_SOCKET_IFNAME": "lo",
+        **(env or {}),
     }
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
-    for attempt in range(2):
-        cmd = [sys.executable, *args]
-        if nproc > 1:
-            cmd[1:1] = [
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                "--nnodes=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
-            ]
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
-        )
-        if proc.returncode == 0 or nproc == 1 or attempt == 1:
-            break
-        warnings.warn(f"torchrun failed, retrying once: {proc.stderr[-2000:]}", stacklevel=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    cmd = [sys.executable, *args]
+    if nproc > 1:
+        cmd[1:1] = [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)

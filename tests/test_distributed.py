@@ -156,3 +156,29 @@ def test_the_group_is_destroyed_before_the_interpreter_exits(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n") == ["(0, 1)", "still up at exit: False", ""]
+
+
+@pytest.mark.parametrize("how", ["raises", "usage error"])
+def test_a_failing_process_does_not_hold_the_others(tmp_path, how):
+    """A process that fails while another waits for it in a collective leaves at once
+    (no barrier at exit, which would wait for the waiting one forever): the other fails
+    on the closed connection and the launch ends, well within its time limit."""
+    from launch import launch
+
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "from geosharp import distributed as gd\n"
+        "from geosharp.cli import main\n"
+        "rank, _ = gd.init()\n"
+        "if rank == 1:\n"
+        f"    if {how == 'raises'}:\n"
+        "        raise AssertionError('process 1 fails')\n"
+        "    sys.exit(main(['measure', 'no/such/checkpoint', '--data', 'digits']))\n"
+        "dist.broadcast_object_list([None], src=1)  # waits for process 1\n"
+    )
+    proc = launch([str(script)], 2, timeout=90)
+    assert proc.returncode != 0
+    said = "process 1 fails" if how == "raises" else "geosharp: error:"
+    assert said in proc.stderr, proc.stderr[-2000:]

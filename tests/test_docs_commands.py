@@ -93,7 +93,7 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
         assert main([*argv, *(budget if argv[0] == "measure" else [])]) == 0, argv
         ran += 1
     capsys.readouterr()
-    assert ran == 8 and json.loads(Path("out.json").read_text())["complete"] is True
+    assert ran == 9 and json.loads(Path("out.json").read_text())["complete"] is True
 
 
 def test_every_relative_link_of_the_docs_resolves():

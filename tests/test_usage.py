@@ -664,25 +664,93 @@ def test_causal_lm_from_the_command_line(kind, tmp_path, capsys):
     assert "no next token" in line
 
 
+ONLY_PROCESS_0_READS = """
+import os, sys
+import transformers
+from geosharp.cli import main
+rank = int(os.environ.get("RANK", "0"))
+if rank or os.environ.get("UNREADABLE"):  # the others must not read; process 0 may fail
+    def refuse(*args, **kwargs):
+        if rank:
+            raise AssertionError(f"process {rank} read the checkpoint")
+        raise OSError("unreadable here")
+    transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
     """``torchrun ... geosharp measure --fsdp``: a LLaMA (grouped-query attention,
-    rotary) sharded over 2 processes gets the values of one process; without torchrun
-    --fsdp is a one-line error."""
-    from launch import run_python
+    rotary) sharded over 2 processes gets the values of one process, in float32 and in
+    bfloat16 (with activation checkpointing), the weights read by process 0 only (the
+    others would raise); a checkpoint process 0 cannot read is one line on every
+    process; without torchrun --fsdp is a one-line error."""
+    from launch import launch, run_python
 
     ckpt = _causal_lm(tmp_path / "llama", "llama")
     (tmp_path / "texts.txt").write_text("the film was good\na dull plot\nfun\nthe plot\n")
-    base = ["-m", "geosharp.cli", "measure", str(ckpt), "--data", str(tmp_path / "texts.txt"),
-            "--n-iters", "2", "--batch-size", "2", "--measures", "adaptive,geodesic-inv",
-            "--json", "-", "--quiet"]  # fmt: skip
-    one = json.loads(run_python(base, 1))
-    sharded = json.loads(run_python([*base, "--fsdp"], 2))
-    for a, b in zip(one["results"], sharded["results"], strict=True):
-        assert b["settings"]["sharded"] == 2
-        assert b["per_batch"] == pytest.approx(a["per_batch"], rel=1e-4)
+    (tmp_path / "only0.py").write_text(ONLY_PROCESS_0_READS)
+    base = ["measure", str(ckpt), "--data", str(tmp_path / "texts.txt"), "--n-iters", "2",
+            "--batch-size", "2", "--measures", "adaptive,geodesic-inv", "--json", "-",
+            "--quiet"]  # fmt: skip
     capsys.readouterr()  # what saving the checkpoint printed
-    line = _one_line_error(capsys, main([*base[2:-1], "--fsdp"]))
+    for dtype, more in (("float32", []), ("bfloat16", ["--gradient-checkpointing"])):
+        assert main([*base, "--dtype", dtype]) == 0
+        one = json.loads(capsys.readouterr().out)
+        sharded = json.loads(
+            run_python([str(tmp_path / "only0.py"), *base, "--dtype", dtype, "--fsdp", *more], 2)
+        )
+        assert sharded["symmetries"] == one["symmetries"]
+        assert (
+            "weights: read by process 0, each process sent its shards (FSDP2)"
+            in (sharded["loading"])
+        )
+        for a, b in zip(one["results"], sharded["results"], strict=True):
+            assert b["settings"]["sharded"] == 2, dtype
+            assert b["settings"]["precision"] == a["settings"]["precision"], dtype
+            assert b["settings"]["checkpointing"] is bool(more), dtype
+            assert b["per_batch"] == pytest.approx(a["per_batch"], rel=1e-4), dtype
+    assert "bfloat16 elsewhere" in b["settings"]["precision"]
+    # process 0 cannot read the weights: every process says so and leaves at once (the
+    # others would wait for it in a collective)
+    proc = launch([str(tmp_path / "only0.py"), *base, "--fsdp"], 2, timeout=120,
+                  env={"UNREADABLE": "1"})  # fmt: skip
+    said = [x for x in proc.stderr.splitlines() if x.startswith("geosharp: error:")]
+    assert proc.returncode != 0 and len(said) == 2, proc.stderr[-3000:]
+    assert all("the weights cannot be loaded (unreadable here)" in x for x in said), said
+    line = _one_line_error(capsys, main([*base[:-1], "--fsdp"]))
     assert "--fsdp shards the model over torchrun's processes" in line
+
+
+def test_weights_dtype_and_checkpointing_options(tmp_path, capsys, monkeypatch):
+    """``--dtype auto`` takes the checkpoint's dtype (float32 where config.json names
+    none, said); ``--gradient-checkpointing`` keeps the values, and a class without it
+    is a one-line error before the weights load."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from geosharp.loading import weights_dtype
+
+    assert weights_dtype("float32", LlamaConfig()) == (torch.float32, None)
+    dtype, said = weights_dtype("auto", LlamaConfig(dtype="bfloat16"))
+    assert dtype == torch.bfloat16 and "the checkpoint's dtype" in said
+    dtype, said = weights_dtype("auto", LlamaConfig())
+    assert dtype == torch.float32 and "names no dtype" in said
+    ckpt = _causal_lm(tmp_path / "llama", "llama")
+    (tmp_path / "texts.txt").write_text("the film was good\na dull plot\n")
+    base = ["measure", str(ckpt), "--data", str(tmp_path / "texts.txt"), "--n-iters", "2",
+            "--measures", "adaptive", "--json", "-", "--quiet"]  # fmt: skip
+    capsys.readouterr()
+    rows = []
+    for more in ([], ["--gradient-checkpointing"]):
+        assert main([*base, *more]) == 0
+        rows.append(json.loads(capsys.readouterr().out))
+    plain, kept = (r["results"][0] for r in rows)
+    assert kept["settings"]["checkpointing"] and not plain["settings"]["checkpointing"]
+    assert kept["per_batch"] == pytest.approx(plain["per_batch"], rel=1e-6)
+    assert any("activation checkpointing: on" in x for x in rows[1]["loading"])
+    monkeypatch.setattr(LlamaForCausalLM, "supports_gradient_checkpointing", False)
+    line = _one_line_error(capsys, main([*base, "--gradient-checkpointing"]))
+    assert "does not support activation checkpointing" in line
 
 
 def test_text_limits_and_pad_token(text_csv, tmp_path, capsys):

@@ -115,8 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:  # --help (0) or a bad option (2, message printed)
         return int(exit.code or 0)
+    done = False
     try:
-        return int(args.run(args) or 0)
+        code, done = int(args.run(args) or 0), True
+        return code
     except UsageError as err:
         if debug:
             raise
@@ -135,6 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("geosharp: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if not done:  # under torchrun: leave without waiting for the other processes
+            from .distributed import failed
+
+            failed()
 
 
 if __name__ == "__main__":

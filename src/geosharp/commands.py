@@ -129,7 +129,23 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="under torchrun: shard the model over the processes with FSDP2 "
         "(geosharp.fsdp.shard) instead of splitting the batches, for a model too large "
-        "for one device; every process runs every batch, the values are one process's",
+        "for one device (process 0 reads the checkpoint into CPU memory, each process "
+        "receives its shards); every process runs every batch, the values are one "
+        "process's",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        default="float32",
+        help="load the weights in this dtype (auto: the checkpoint's own); a half-precision "
+        "model is measured in float32 in the modules that own perturbed parameters and in "
+        "its own precision elsewhere (default: float32)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in backward (transformers' gradient_checkpointing_enable, "
+        "non-reentrant): less memory, one more forward per step",
     )
     p.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)  # removed
     p.add_argument("--quiet", action="store_true", help="no progress reports")
@@ -509,7 +525,7 @@ def run_settings(args, rhos: dict[str, float]) -> dict:
 
     keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
             "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
-            "autocast", "nonfinite", "per", "task")  # fmt: skip
+            "autocast", "nonfinite", "per", "task", "dtype")  # fmt: skip
     settings = {k: getattr(args, k) for k in keys}
     settings.update(model=str(args.model), rho=rhos, version=__version__, restart=RESTART)
     return settings

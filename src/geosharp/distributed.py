@@ -45,6 +45,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -106,7 +107,25 @@ def init(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend)
     atexit.register(_destroy)
+    hook = sys.excepthook
+
+    def failing(*exc_info) -> None:  # an uncaught error: leave without waiting
+        failed()
+        hook(*exc_info)
+
+    sys.excepthook = failing
     return rank_and_world()
+
+
+_FAILED: list[bool] = []
+
+
+def failed() -> None:
+    """Mark this process as failing: at exit it leaves the process group without
+    waiting for the others (which may wait in a collective for it and would hold it
+    forever); they then fail on the closed connection, and ``torchrun`` ends the job."""
+    if is_distributed():
+        _FAILED.append(True)
 
 
 def close() -> None:
@@ -119,8 +138,8 @@ def close() -> None:
 
 def _destroy() -> None:
     """At exit (registered by :func:`init`): :func:`close`, except that a gloo process
-    waits at most a minute for the others and destroys the group anyway, so that a
-    process that failed does not hold the rest."""
+    waits at most a minute for the others and destroys the group anyway, and a process
+    that failed (:func:`failed`) waits for none, so that it does not hold the rest."""
     _end(bounded=True)
 
 
@@ -130,6 +149,9 @@ def _end(bounded: bool) -> None:
 
     gc.collect()
     if not is_distributed():
+        return
+    if _FAILED and bounded:  # the others may be waiting for this process in a collective
+        dist.destroy_process_group()
         return
     if not bounded:
         dist.barrier()
