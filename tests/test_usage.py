@@ -701,10 +701,8 @@ def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
             run_python([str(tmp_path / "only0.py"), *base, "--dtype", dtype, "--fsdp", *more], 2)
         )
         assert sharded["symmetries"] == one["symmetries"]
-        assert (
-            "weights: read by process 0, each process sent its shards (FSDP2)"
-            in (sharded["loading"])
-        )
+        said = "weights: read by process 0 on the CPU; each process receives its shards"
+        assert said in sharded["loading"]
         for a, b in zip(one["results"], sharded["results"], strict=True):
             assert b["settings"]["sharded"] == 2, dtype
             assert b["settings"]["precision"] == a["settings"]["precision"], dtype
@@ -716,8 +714,11 @@ def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
     proc = launch([str(tmp_path / "only0.py"), *base, "--fsdp"], 2, timeout=120,
                   env={"UNREADABLE": "1"})  # fmt: skip
     said = [x for x in proc.stderr.splitlines() if x.startswith("geosharp: error:")]
-    assert proc.returncode != 0 and len(said) == 2, proc.stderr[-3000:]
+    assert proc.returncode != 0 and said, proc.stderr[-3000:]  # torchrun may end one first
     assert all("the weights cannot be loaded (unreadable here)" in x for x in said), said
+    assert "process 0 failed" not in proc.stderr and "Traceback" not in "".join(
+        x for x in proc.stderr.splitlines() if x.startswith("[rank")
+    )
     line = _one_line_error(capsys, main([*base[:-1], "--fsdp"]))
     assert "--fsdp shards the model over torchrun's processes" in line
 
@@ -735,6 +736,8 @@ def test_weights_dtype_and_checkpointing_options(tmp_path, capsys, monkeypatch):
     assert dtype == torch.bfloat16 and "the checkpoint's dtype" in said
     dtype, said = weights_dtype("auto", LlamaConfig())
     assert dtype == torch.float32 and "names no dtype" in said
+    dtype, said = weights_dtype("float32", LlamaConfig(dtype="bfloat16"))
+    assert dtype == torch.float32 and "the checkpoint holds bfloat16: --dtype auto" in said
     ckpt = _causal_lm(tmp_path / "llama", "llama")
     (tmp_path / "texts.txt").write_text("the film was good\na dull plot\n")
     base = ["measure", str(ckpt), "--data", str(tmp_path / "texts.txt"), "--n-iters", "2",

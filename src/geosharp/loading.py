@@ -326,6 +326,7 @@ def load_job(args, path: Path, device: torch.device) -> Job:
     from .data import move_batch
     from .hf import check_weights, load_causal_lm, load_classifier, load_config
     from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
+    from .measures.fsdp import reshard
     from .symmetry import find_symmetries
 
     config = load_config(path)
@@ -340,7 +341,7 @@ def load_job(args, path: Path, device: torch.device) -> Job:
     if args.gradient_checkpointing:
         loading.append("activation checkpointing: on (transformers', non-reentrant)")
     if args.fsdp:
-        loading.append("weights: read by process 0, each process sent its shards (FSDP2)")
+        loading.append("weights: read by process 0 on the CPU; each process receives its shards")
     rank, world = gd.init()  # under torchrun the batches are split over the ranks
     task = resolve_task(args.task, config)
     causal = task == CAUSAL_LM
@@ -374,13 +375,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def weights_dtype(option: str, config) -> tuple[torch.dtype, str | None]:
     """The dtype ``--dtype`` loads the weights in (``auto``: the checkpoint's own, its
     config's ``dtype``/``torch_dtype``; float32 where it names none) and the line that
-    says so (none for the default, float32)."""
+    says so (none for float32 from a float32 checkpoint)."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(saved).removeprefix("torch.") if saved is not None else None
     if option != "auto":
         dtype = DTYPES[option]
         how = "" if option == "float32" else f" (--dtype {option})"
+        if option == "float32" and name in ("bfloat16", "float16"):
+            how = f" (the checkpoint holds {name}: --dtype auto measures in it, in less memory)"
     else:
-        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        name = str(saved).removeprefix("torch.") if saved is not None else None
         if name in DTYPES:
             dtype, how = DTYPES[name], " (--dtype auto: the checkpoint's dtype)"
         else:
@@ -426,12 +429,6 @@ def checkpointing_on(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=plain)
 
 
-def reshard(model: torch.nn.Module) -> None:
-    from .measures.fsdp import reshard as free
-
-    free(model)
-
-
 def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing):
     """A checkpoint sharded with FSDP2 over the process group, without a whole copy on
     any device: process 0 reads it on the CPU (``load``, as one process would:
@@ -445,7 +442,7 @@ def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from .distributed import all_reduce_max
-    from .measures.fsdp import shard
+    from .measures.fsdp import reshard, shard
     from .symmetry import find_symmetries
     from .symmetry.discovery import verify_symmetries
 
