@@ -60,6 +60,7 @@ __all__ = [
     "barrier",
     "close",
     "device",
+    "failed",
     "gather_in_order",
     "init",
     "is_distributed",
@@ -95,7 +96,8 @@ def init(backend: str | None = None) -> tuple[int, int]:
     The backend defaults to ``nccl`` when CUDA is available (each process then uses GPU
     ``LOCAL_RANK``) and ``gloo`` otherwise. Without ``WORLD_SIZE`` in the environment
     (a plain ``python`` run) nothing is initialised and ``(0, 1)`` is returned; calling
-    it again is harmless.
+    it again is harmless. An error that ends the process uncaught marks it
+    :func:`failed`, so that at exit it does not wait for the others.
     """
     if is_distributed():
         return rank_and_world()
