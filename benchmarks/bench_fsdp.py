@@ -39,14 +39,12 @@ import ctypes
 import gc
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bench_targets import _rss_status  # the peak and resident sizes, as there
+from launching import MMAP_THRESHOLD, run_json
 
 MEASURES = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
 MODELS = {  # hidden, layers, heads, intermediate, vocab, batch, tokens
@@ -184,22 +182,13 @@ def child(args) -> None:
 
 
 def launch(nproc: int, mode: str, args) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    if args.mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={29600 + nproc}",
         __file__, "--child", mode, "--model", args.model, "--n-iters", str(args.n_iters),
         "--plan", args.plan, *(["--kept-gradient"] if args.kept_gradient else []),
         *(["--warm"] if args.warm else []),
     ]  # fmt: skip
-    for _ in range(2):  # gloo sometimes aborts a process at exit, after the results
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("[{")]
-        if lines:
-            return json.loads(lines[-1])
-    raise RuntimeError(proc.stderr[-3000:])
+    env = MMAP_THRESHOLD if args.mmap_threshold else {}
+    return run_json(cmd, nproc, 29600 + nproc, env, marker="[{", tries=2)
 
 
 def main() -> None:

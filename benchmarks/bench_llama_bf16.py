@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+from launching import MMAP_THRESHOLD, torchrun
+
 SHAPES = {
     "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4),  # TinyLlama-1.1B
@@ -115,18 +117,6 @@ def check_perturbed(result, perturbed: int) -> None:
 def loss(m, batch):
     """The causal LM's loss on ``batch`` (its inputs are its labels), in float32."""
     return m(input_ids=batch, labels=batch).loss.float()
-
-
-def torchrun(port: int) -> tuple[list[str], dict[str, str]]:
-    """The command prefix and environment of a run on 2 CPU processes (``torchrun``,
-    gloo, one thread each)."""
-    prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-              "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
-    return prefix, {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc returns every freed block above 128 KiB: memory held, not the heap's."""
 
 
 def _rss_mib() -> float:

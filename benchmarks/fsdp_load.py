@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from bench_targets import _rss_status  # the peak and resident sizes, as bench_fsdp reads them
+from launching import MMAP_THRESHOLD, run_json
+
 TEXTS = ["the film was good", "a dull plot", "fun", "the plot was fun and the actor superb"]
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) * 1024 for x in f if x.startswith(key))
 
 
 def make(path: Path) -> None:
@@ -68,7 +63,7 @@ def child(path: str, how: str, dtype_name: str) -> None:
     tokenizer = load_tokenizer(path)
     tokenizer.pad_token = tokenizer.eos_token
     batch = dict(tokenizer(TEXTS, padding=True, return_tensors="pt"))
-    before = _status("VmRSS")
+    before = _rss_status()["VmRSS"]
     if how == "every process reads":
         model = load_causal_lm(path, dtype=dtype).model
         symmetries = find_symmetries(model, batch, loss_fn=causal_lm_loss, warn=False)
@@ -79,8 +74,8 @@ def child(path: str, how: str, dtype_name: str) -> None:
         )
     record = {
         "rank": rank,
-        "rise": _status("VmHWM") - before,
-        "held": _status("VmRSS") - before,
+        "rise": _rss_status()["VmHWM"] - before,
+        "held": _rss_status()["VmRSS"] - before,
         "whole": sum(p.numel() for p in model.parameters()) * dtype.itemsize,  # global
         "pairs": len(symmetries.pairs),
     }
@@ -93,16 +88,9 @@ def child(path: str, how: str, dtype_name: str) -> None:
 
 
 def launch(path: Path, how: str, dtype: str, nproc: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", "--master_port=29720", __file__, "--child", how,
-           "--path", str(path), "--dtype", dtype]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("[{")]
-    if not lines:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(lines[-1])
+    cmd = [__file__, "--child", how, "--path", str(path), "--dtype", dtype]
+    env = {"HF_HUB_OFFLINE": "1", **MMAP_THRESHOLD}
+    return run_json(cmd, nproc, 29720, env, marker="[{")
 
 
 def main() -> None:

@@ -28,15 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_llama_bf16 import (
-    MMAP_THRESHOLD,
-    _reset_peak,
-    _sharded_model,
-    _status,
-    loss,
-    torchrun,
-    warm_up,
-)
+from bench_llama_bf16 import _reset_peak, _sharded_model, _status, loss, warm_up
+from launching import MMAP_THRESHOLD, torchrun
 
 MODES = ("step", "geodesic-inv-attn")
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fsdp import MEASURES, MODELS, loss_fn, sharded
 from bench_llama_gpu import live_at_peak
+from launching import MMAP_THRESHOLD, run_json
 
 RUNS = ("step", "measure", "measure, FSDP gathers every layer")
 
@@ -160,18 +159,11 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "MALLOC_MMAP_THRESHOLD_": "131072"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", "--master_port=29650", __file__, "--child",
-           "--measure", args.measure, "--model", args.model, "--plan", args.plan]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-    if not lines:
-        raise RuntimeError(proc.stderr[-3000:])
+    cmd = [__file__, "--child", "--measure", args.measure, "--model", args.model,
+           "--plan", args.plan]  # fmt: skip
     result = {"model": args.model, "measure": args.measure, "processes": args.nproc,
               "plan": args.plan,
-              **json.loads(lines[-1])}  # fmt: skip
+              **run_json(cmd, args.nproc, 29650, MMAP_THRESHOLD)}  # fmt: skip
     print(
         f"model {args.model}, {args.measure}, {args.nproc} processes (rank 0), "
         f"{args.plan} plan, "

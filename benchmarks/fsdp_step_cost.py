@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from bench_fsdp import MEASURES, bert, loss_fn, sharded
+from launching import run_json
 
 MODEL = "bert-384"
 
@@ -117,19 +115,10 @@ def child(measure: str, plain: bool) -> None:
     gd.close()
 
 
-def launch(nproc: int, measure: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, __file__, "--child", measure]
-    if nproc:
-        cmd[1:1] = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", f"--master_port={29700 + nproc}"]  # fmt: skip
-    else:
-        cmd.append("--plain")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-    if not lines:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(lines[-1])
+def launch(nproc: int | None, measure: str) -> dict:
+    """One launch: ``nproc`` processes, or the unsharded model in one (``None``)."""
+    cmd = [__file__, "--child", measure, *(["--plain"] if nproc is None else [])]
+    return run_json(cmd, nproc, 29700 + (nproc or 0))
 
 
 def main() -> None:
@@ -146,7 +135,7 @@ def main() -> None:
     out = {}
     print(f"{MODEL}, batch 8 x 64 tokens, one thread per process; step / forward+backward")
     for measure in args.measures.split(","):
-        runs = {"unsharded": launch(0, measure)}
+        runs = {"unsharded": launch(None, measure)}
         for n in [int(x) for x in args.nproc.split(",")]:
             runs[f"sharded x{n}"] = launch(n, measure)
         for name, r in runs.items():

@@ -28,10 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _benchmark(name: str):
-    """The script ``benchmarks/{name}.py`` as a module (its helpers, not its ``main``)."""
+    """The script ``benchmarks/{name}.py`` as a module (its helpers, not its ``main``),
+    importing its sibling scripts as it does when run."""
+    import sys
+
     spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
     return module
 
 
