@@ -34,6 +34,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "meta_model",
+    "named_class",
     "quiet_transformers",
     "resolve_checkpoint",
 ]
@@ -163,6 +164,14 @@ def is_vision(config) -> bool:
     return hasattr(config, "image_size") and hasattr(config, "num_channels")
 
 
+def named_class(config) -> type | None:
+    """The first class of config.json's ``architectures`` that transformers has, if any."""
+    import transformers
+
+    archs = getattr(config, "architectures", None) or []
+    return next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+
+
 def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> nn.Module:
     """The model of a local checkpoint as it was saved: the class its config names
     (``architectures``: a ``BartForCausalLM`` is a decoder with its head, not a whole
@@ -174,11 +183,7 @@ def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> n
     path = resolve_checkpoint(name)
     config = load_config(path)
     check_weights(path)
-    archs = getattr(config, "architectures", None) or []
-    cls = next(
-        (getattr(transformers, a) for a in archs if hasattr(transformers, a)),
-        transformers.AutoModel,
-    )
+    cls = named_class(config) or transformers.AutoModel
     with quiet_transformers():
         try:
             model = cls.from_pretrained(path, local_files_only=True, dtype=dtype)

@@ -354,19 +354,16 @@ def load_job(args, path: Path, device: torch.device) -> Job:
         )
         fit = preflight(model, batches, args.data, task)
         reshard(model)
-        return Job(model, batches, loss_fn, task, symmetries, fit, loading, new, n_parameters,
-                   rank, world)  # fmt: skip
-    loaded = load(path, dtype=dtype, seed=args.seed)
-    model = loaded.model.to(device)
-    if args.gradient_checkpointing:
-        checkpointing_on(model)
-    fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
-    symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
-    n_parameters = sum(p.numel() for p in model.parameters())
-    return Job(
-        model, batches, loss_fn, task, symmetries, fit, loading, loaded.new_parameters,
-        n_parameters, rank, world,
-    )  # fmt: skip
+    else:
+        loaded = load(path, dtype=dtype, seed=args.seed)
+        model, new = loaded.model.to(device), loaded.new_parameters
+        if args.gradient_checkpointing:
+            checkpointing_on(model)
+        fit = preflight(model, batches, args.data, task)  # every input runs, before anything slow
+        symmetries = find_symmetries(model, batches[0], loss_fn=loss_fn, warn=False)
+        n_parameters = sum(p.numel() for p in model.parameters())
+    return Job(model, batches, loss_fn, task, symmetries, fit, loading, new, n_parameters,
+               rank, world)  # fmt: skip
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -377,51 +374,50 @@ def weights_dtype(option: str, config) -> tuple[torch.dtype, str | None]:
     config's ``dtype``/``torch_dtype``; float32 where it names none) and the line that
     says so (none for float32 from a float32 checkpoint)."""
     saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    name = str(saved).removeprefix("torch.") if saved is not None else None
-    if option != "auto":
-        dtype = DTYPES[option]
-        how = "" if option == "float32" else f" (--dtype {option})"
-        if option == "float32" and name in ("bfloat16", "float16"):
-            how = f" (the checkpoint holds {name}: --dtype auto measures in it, in less memory)"
+    held = str(saved).removeprefix("torch.") if saved is not None else None
+    if option == "auto" and held in DTYPES:
+        chosen, how = held, " (--dtype auto: the checkpoint's dtype)"
+    elif option == "auto":
+        chosen = "float32"
+        how = " (--dtype auto: config.json names no dtype" + (
+            ")" if held is None else f", or one geosharp does not measure in: {held})"
+        )
+    elif option == "float32" and held in ("bfloat16", "float16"):
+        chosen = option
+        how = f" (the checkpoint holds {held}: --dtype auto measures in it, in less memory)"
     else:
-        if name in DTYPES:
-            dtype, how = DTYPES[name], " (--dtype auto: the checkpoint's dtype)"
-        else:
-            dtype = torch.float32
-            how = " (--dtype auto: config.json names no dtype" + (
-                ")" if name is None else f", or one geosharp does not measure in: {name})"
-            )
-    name = str(dtype).removeprefix("torch.")
-    if dtype == torch.float32:
-        return dtype, f"weights: float32{how}" if how else None
-    return dtype, (
-        f"weights: {name}{how}; measured in float32 in the modules that own perturbed "
-        f"parameters, in {name} elsewhere"
+        chosen, how = option, "" if option == "float32" else f" (--dtype {option})"
+    if chosen == "float32":
+        return DTYPES[chosen], f"weights: float32{how}" if how else None
+    return DTYPES[chosen], (
+        f"weights: {chosen}{how}; measured in float32 in the modules that own perturbed "
+        f"parameters, in {chosen} elsewhere"
     )
 
 
 def check_checkpointable(path: Path, config) -> None:
     """An error, before the weights load, where ``--gradient-checkpointing`` names a
-    model whose transformers class does not support it."""
-    import transformers
+    model whose transformers class (config.json's ``architectures``) does not support
+    it; the class loaded is checked again by :func:`checkpointing_on`."""
+    from .hf import named_class
 
-    archs = getattr(config, "architectures", None) or []
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
-    if cls is not None and not getattr(cls, "supports_gradient_checkpointing", False):
+    cls = named_class(config)
+    if cls is not None:
+        _check_checkpointable(cls, f" ({path})")
+
+
+def _check_checkpointable(cls: type, where: str = "") -> None:
+    if not getattr(cls, "supports_gradient_checkpointing", False):
         raise UsageError(
-            f"--gradient-checkpointing: {cls.__name__} ({path}) does not support "
-            "activation checkpointing in transformers; drop the option"
+            f"--gradient-checkpointing: {cls.__name__}{where} does not support activation "
+            "checkpointing in transformers; drop the option"
         )
 
 
 def checkpointing_on(model: torch.nn.Module) -> None:
     """Hugging Face's activation checkpointing, non-reentrant (the kind a measure can
     differentiate through for chosen parameters)."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UsageError(
-            f"--gradient-checkpointing: {type(model).__name__} does not support activation "
-            "checkpointing in transformers; drop the option"
-        )
+    _check_checkpointable(type(model))
     plain = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=plain)
@@ -447,14 +443,7 @@ def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing
     from .symmetry.discovery import verify_symmetries
 
     rank = dist.get_rank()
-    loaded = _read_on_process_0(load, path, dtype, seed)
-    whole = loaded.model if loaded is not None else None
-    shape = [None]
-    if rank == 0:
-        dtypes = {n: t.dtype for n, t in (*whole.named_parameters(), *whole.named_buffers())}
-        shape = [(type(whole), whole.config, loaded.new_parameters, dtypes)]
-    dist.broadcast_object_list(shape, src=0)
-    cls, config, new, dtypes = shape[0]
+    whole, (cls, config, new, dtypes) = _read_on_process_0(load, path, dtype, seed)
     model = _on_meta(cls, config, dtypes)
     model.eval()
     symmetries = find_symmetries(model, warn=False)  # on the structure: no weights
@@ -471,7 +460,7 @@ def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing
         if rank == 0:
             buffer.copy_(sources[name])
         dist.broadcast(buffer, src=0)
-    del whole, loaded, sources
+    del whole, sources
     if checkpointing:
         checkpointing_on(model)
     agree = all_reduce_max()
@@ -481,26 +470,33 @@ def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing
 
 
 def _read_on_process_0(load, path, dtype, seed):
-    """``load(path, ...)`` on process 0 (``None`` elsewhere); where it fails, every
-    process raises (a :class:`UsageError` as the same one line), none waits for it."""
+    """``load(path, ...)`` on process 0: its model there (``None`` elsewhere) and, on
+    every process, ``(class, config, new parameters, {name: dtype})`` of its parameters
+    and buffers, in one broadcast; where the load fails, every process raises (a
+    :class:`UsageError` as the same one line), none waits for it."""
     import torch.distributed as dist
 
-    loaded, failed = None, None
+    whole, failed, said = None, None, [None]
     if dist.get_rank() == 0:
         try:
             loaded = load(path, dtype=dtype, seed=seed)
         except Exception as err:
             failed = err
-    said = [None if failed is None else (type(failed).__name__, str(failed))]
+            said = [("failed", type(err).__name__, str(err))]
+        else:
+            whole = loaded.model
+            tensors = (*whole.named_parameters(), *whole.named_buffers())
+            dtypes = {n: t.dtype for n, t in tensors}
+            said = [(type(whole), whole.config, loaded.new_parameters, dtypes)]
     dist.broadcast_object_list(said, src=0)
     if failed is not None:
         raise failed
-    if said[0] is not None:
-        kind, message = said[0]
+    if said[0][0] == "failed":
+        _, kind, message = said[0]
         if kind == UsageError.__name__:
             raise UsageError(message)
         raise RuntimeError(f"process 0 failed to load the checkpoint: {kind}: {message}")
-    return loaded
+    return whole, said[0]
 
 
 def _on_meta(cls, config, dtypes: dict[str, torch.dtype]) -> torch.nn.Module:
