@@ -728,6 +728,28 @@ def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
     assert "--fsdp shards the model over torchrun's processes" in line
 
 
+def test_the_sharded_loads_skeleton_takes_process_0s_dtypes_and_ties():
+    """``--fsdp``'s model on the meta device: each tensor in the dtype process 0 loaded
+    it in, a tied head still the embedding's object; names other than process 0's are a
+    one-line error."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from geosharp.loading import _on_meta
+
+    config = GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    with torch.device("meta"):
+        reference = GPT2LMHeadModel(config)
+    tensors = (*reference.named_parameters(), *reference.named_buffers())
+    dtypes = {n: torch.bfloat16 if t.is_floating_point() else t.dtype for n, t in tensors}
+    dtypes["transformer.ln_f.weight"] = torch.float32  # kept in float32, as some models do
+    model = _on_meta(GPT2LMHeadModel, config, dtypes)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    got = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers())}
+    assert got == dtypes
+    with pytest.raises(UsageError, match="other parameters than the checkpoint loaded"):
+        _on_meta(GPT2LMHeadModel, config, {**dtypes, "extra.weight": torch.float32})
+
+
 def test_weights_dtype_and_checkpointing_options(tmp_path, capsys, monkeypatch):
     """``--dtype auto`` takes the checkpoint's dtype (float32 where config.json names
     none, said); ``--gradient-checkpointing`` keeps the values, and a class without it
