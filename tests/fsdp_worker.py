@@ -2,6 +2,7 @@
 unsharded model and on the same model sharded with geosharp.fsdp.shard; rank 0 writes
 the values and the model check to ``argv[1]`` as JSON."""
 
+import contextlib
 import copy
 import json
 import sys
@@ -149,6 +150,47 @@ def _count_gathers() -> None:
     ShardedGathered.read_elsewhere = checked
 
 
+COLLECTIVES = {"forwards": 0, "gathers": 0, "scatters": 0}  # geosharp's own, on its point
+
+
+def _count_collectives() -> None:
+    from geosharp.measures import fsdp as sharded
+
+    gather, scatter, holding = sharded._gather, sharded._scatter, sharded.ShardedGathered.holding
+
+    def gathered(*args):
+        COLLECTIVES["gathers"] += 1
+        return gather(*args)
+
+    def scattered(*args):
+        COLLECTIVES["scatters"] += 1
+        return scatter(*args)
+
+    @contextlib.contextmanager
+    def held(self, *args, **kwargs):
+        COLLECTIVES["forwards"] += 1
+        with holding(self, *args, **kwargs):
+            yield
+
+    sharded._gather, sharded._scatter = gathered, scattered
+    sharded.ShardedGathered.holding = held
+
+
+def units(model) -> int:
+    """How many groups a forward gathers when every parameter is perturbed: each FSDP2
+    module below the root (a layer) that holds parameters, and each module with
+    parameters of its own outside them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    below = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+    found = set()
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            within = [u for u in below if name == u or name.startswith(u + ".")]
+            found.add(max(within, key=len) if within else name)
+    return len(found)
+
+
 def unshard_flags(model) -> list[bool]:
     """Whether FSDP2 gathers each parameter group of ``model`` as it did: its
     ``unshard_in_backward`` on, its ``unshard`` the class's own."""
@@ -276,7 +318,44 @@ def hand_written():
         out["no symmetries"] = str(e)
     model = plain = None
     out["tied"] = tied_across_layers(kw)
+    out["no grad"] = without_grad(kw)
     return out
+
+
+class Statistic(torch.nn.Module):
+    """A layer whose first ``Linear`` computes without gradient (a statistic that scales
+    the second's output): both are perturbed, only the second has a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.a(x).tanh()
+        return self.b(x) * scale
+
+
+def without_grad(kw):
+    """Two :class:`Statistic` layers, each sharded: a layer's perturbed parameters are
+    gathered together, and the one its first owner gathers without gradient is not the
+    one the second computes on. ``[one process, sharded]``."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Statistic(), Statistic()).to(torch.float64)
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(m, x):
+        return m(x).pow(2).mean()
+
+    plain = copy.deepcopy(model)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    kw = {**kw, "symmetries": geosharp.find_symmetries(plain, x, loss_fn=loss)}
+    one = alone(plain, [x], loss, "adaptive", **kw)
+    return [one, geosharp.sharpness(model, [x], loss, "adaptive", **kw).value]
 
 
 def tied_across_layers(kw):
@@ -607,6 +686,7 @@ def main():
     out, which = sys.argv[1], sys.argv[2:]
     _count_base_reads()
     _count_gathers()
+    _count_collectives()
     rank, world = gd.init()
     results = {}
     if "errors" in which:
@@ -629,6 +709,7 @@ def main():
         # a half-precision model: also the same measure on a float32 copy of its weights
         wide = copy.deepcopy(model).float() if dtype == "bfloat16" else None
         fsdp.shard(model, symmetries)
+        results[f"{name}/units"] = units(model)
         before = [p.to_local().clone() for p in model.parameters()]
         gathers = dict(GATHERS)
         loss_fn(model, batches[0]).backward()  # a training step: FSDP gathers every layer
@@ -638,8 +719,10 @@ def main():
             # bfloat16: a radius whose values its round-off barely moves (about 1 %)
             kw = {"rho": 1.0 if wide is not None else MEASURES[measure], **CASES[case]}
             reads, held, gathers, checked = BASE_READS[0], HELD[0], dict(GATHERS), dict(CHECKED)
+            collectives = dict(COLLECTIVES)
             many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
             reads, held = BASE_READS[0] - reads, HELD[0] - held
+            collectives = {k: COLLECTIVES[k] - v for k, v in collectives.items()}
             checked = [CHECKED[k] - checked[k] for k in checked]
             gathers = [GATHERS[k] - gathers[k] - c for k, c in zip(gathers, checked)]
             if rank != 0:  # the one-process references (and the results) are rank 0's
@@ -650,6 +733,7 @@ def main():
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
                 "base reads": reads, "held": held, "gathers": gathers, "checked": checked,
+                "collectives": collectives,
             }  # fmt: skip
             if wide is not None:
                 kw["symmetries"] = symmetries  # found on the half-precision model

@@ -88,6 +88,7 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
         assert results[f"{name}/model unchanged"] is True
         # the control: a training step, whose FSDP gathers every layer in both passes
         assert min(results.pop(f"{name}/step gathers")) > 0
+        units = results.pop(f"{name}/units")
         cases = {k: v for k, v in results.items() if k.startswith(name + "/") and "/model" not in k}
         assert set(cases) == {f"{name}/{m}/{c}" for m, c in plan(name)}
         tol = TOLERANCE[name.split("-")[1]]
@@ -101,6 +102,14 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
             # attention-only keeps the MLP's, gathered in both
             for gathers in case["gathers"]:
                 assert (gathers == 0) == ("attn" not in key), key
+            # the measure's own collectives gather a layer's parameters at once (these
+            # layers are under BUCKET entries): per forward one all-gather per layer (and
+            # per module outside them), and in backward one all-gather again and one
+            # reduce-scatter; one per parameter was 3-4 times as many
+            own = case["collectives"]
+            assert own["scatters"] <= units * own["forwards"], (key, own, units)
+            assert (own["scatters"] > 0) == key.endswith(("/worst", "/worst-random")), key
+            assert own["gathers"] <= 2 * units * own["forwards"], (key, own, units)
             # the set-up's check of reads outside the owners: one forward, FSDP gathering
             # every layer as for training
             assert case["checked"][0] > 0 and case["checked"][1] == 0, key
@@ -184,6 +193,9 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     assert abs(many - one) <= 1e-8 * abs(one) and unverified == ["blocks:value-output"]
     assert len(said) == 1, said
     assert "used without a numerical check on the model (blocks:value-output)" in said[0]
+    # an owner that computes without gradient beside one that computes with it
+    one, many = messages["no grad"]
+    assert abs(many - one) <= 1e-8 * abs(one)
     one, many, restored = messages["written into the shards"]
     assert abs(many - one) <= 1e-8 * abs(one) and restored
     assert messages["adaptive needs no pairs"] > 0

@@ -46,7 +46,8 @@ Where every module that owns a perturbed parameter is a leaf (a ``Linear``, an
 ``Embedding``, a norm) and the loss reads those parameters nowhere else (checked at
 set-up, :meth:`ShardedGathered.read_elsewhere`), the model's shards are never written:
 each such module computes on its perturbed parameters all-gathered from the measure's
-point, the rest of the model runs through FSDP (:class:`ShardedGathered`).
+point (a layer's small parameters in one collective), the rest of the model runs
+through FSDP (:class:`ShardedGathered`).
 Half-precision (bfloat16/float16) shards are measured this way only: the measure's
 vectors are float32 slices, and the owners compute in float32 on the float32 gathered
 parameters. Other float32 models get the point written into their shards, and the base
@@ -64,6 +65,7 @@ communication objects live can abort after its work is done.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -383,16 +385,23 @@ class ShardedModel:
 
 
 class _Slice:
-    """How one parameter is cut: ``Shard(dim)`` of ``size`` entries into chunks of
-    ``chunk`` over ``world`` processes (the last ones may hold fewer, or none)."""
+    """How one parameter of ``shape`` is cut: ``Shard(dim)`` into chunks of ``chunk``
+    rows over ``world`` processes (the last ones may hold fewer, or none); in a
+    collective's buffer each process's rows take ``chunk`` rows (``numel`` entries),
+    padded with zeros."""
 
-    def __init__(self, dim: int, size: int, world: int):
-        self.dim, self.size, self.world = dim, size, world
-        self.chunk = -(-size // world)
+    def __init__(self, dim: int, shape: tuple[int, ...], world: int):
+        self.dim, self.size, self.world = dim, shape[dim], world
+        self.chunk = -(-self.size // world)
+        self.rest = tuple(shape[:dim]) + tuple(shape[dim + 1 :])
+        self.numel = self.chunk * math.prod(self.rest)
+        self.shape = tuple(shape)
+        self.lengths = [max(0, min(self.size - r * self.chunk, self.chunk)) for r in range(world)]
 
     def gather(self, local: Tensor) -> Tensor:
         """The whole parameter from every process's ``local`` slice (a collective),
-        contiguous as the model's own (so that it computes with the same kernels)."""
+        contiguous as the model's own (so that it computes with the same kernels), in
+        memory of its own."""
         rows = local.movedim(self.dim, 0)
         if rows.shape[0] < self.chunk:  # FSDP2's uneven Shard(0): padded here
             padded = rows.new_zeros((self.chunk, *rows.shape[1:]))
@@ -416,34 +425,164 @@ class _Slice:
         dist.reduce_scatter_single(mine, padded)
         return mine.narrow(0, 0, length).div_(self.world).movedim(0, self.dim)
 
+    def padded(self, part: Tensor) -> Tensor:
+        """``part`` (``world x numel``, one process's entries per row) as ``world x chunk
+        x rest``."""
+        return part.view(self.world, self.chunk, *self.rest)
+
+    def to_rows(self, padded: Tensor, rows: Tensor) -> None:
+        """Copy every process's rows of ``padded`` into ``rows`` (``size x rest``)."""
+        if self.world * self.chunk == self.size:
+            rows.unflatten(0, (self.world, self.chunk)).copy_(padded)
+            return
+        for r, n in enumerate(self.lengths):
+            if n:
+                rows.narrow(0, r * self.chunk, n).copy_(padded[r, :n])
+
+    def to_padded(self, rows: Tensor, padded: Tensor) -> None:
+        """Copy ``rows`` (``size x rest``) into every process's rows of ``padded``, the
+        padding zero."""
+        if self.world * self.chunk == self.size:
+            padded.copy_(rows.unflatten(0, (self.world, self.chunk)))
+            return
+        for r, n in enumerate(self.lengths):
+            if n:
+                padded[r, :n].copy_(rows.narrow(0, r * self.chunk, n))
+            padded[r, n:].zero_()
+
+
+def _gather(locals_: list[Tensor], cuts: list[_Slice]) -> list[Tensor]:
+    """The whole parameters from every process's slices ``locals_``, in one all-gather,
+    each contiguous as the model's own (so that it computes with the same kernels); one
+    parameter without a shared buffer."""
+    if len(cuts) == 1:
+        return [cuts[0].gather(locals_[0])]
+    total = sum(cut.numel for cut in cuts)
+    every = locals_[0].new_empty(cuts[0].world * total)
+    dist.all_gather_single(every, _packed(locals_, cuts, total))  # freed before the copies
+    every = every.view(cuts[0].world, total)
+    out = []
+    for part, cut in zip(every.split([c.numel for c in cuts], dim=1), cuts):
+        whole = every.new_empty(cut.shape)
+        cut.to_rows(cut.padded(part), whole.movedim(cut.dim, 0))
+        out.append(whole)
+    return out
+
+
+def _packed(locals_: list[Tensor], cuts: list[_Slice], total: int) -> Tensor:
+    """This process's rows of each parameter, padded to its chunk, in one buffer."""
+    mine = locals_[0].new_empty(total)
+    for part, local, cut in zip(mine.split([c.numel for c in cuts]), locals_, cuts):
+        rows, held = part.view(cut.chunk, *cut.rest), local.movedim(cut.dim, 0)
+        rows[: held.shape[0]].copy_(held)
+        rows[held.shape[0] :].zero_()  # an uneven cut's padding
+    return mine
+
+
+def _scatter(grads: tuple[Tensor, ...], cuts: list[_Slice], lengths: list[int]) -> list[Tensor]:
+    """This process's ``lengths`` rows of the mean over processes of each of ``grads``, in
+    one reduce-scatter (FSDP's); one parameter without a shared buffer."""
+    if len(cuts) == 1:
+        return [cuts[0].scatter(grads[0], lengths[0])]
+    sizes = [cut.numel for cut in cuts]
+    mine = grads[0].new_empty(sum(sizes))
+    dist.reduce_scatter_single(mine, _spread(grads, cuts, sum(sizes)))
+    mine.div_(cuts[0].world)
+    return [
+        part.view(cut.chunk, *cut.rest).narrow(0, 0, n).movedim(0, cut.dim)
+        for part, cut, n in zip(mine.split(sizes), cuts, lengths)
+    ]
+
+
+def _spread(grads: tuple[Tensor, ...], cuts: list[_Slice], total: int) -> Tensor:
+    """Each of ``grads`` cut into every process's rows, padded, in one buffer
+    (``world x total``: process by process)."""
+    every = grads[0].new_empty(cuts[0].world * total)
+    for part, grad, cut in zip(
+        every.view(cuts[0].world, total).split([c.numel for c in cuts], dim=1), grads, cuts
+    ):
+        cut.to_padded(grad.movedim(cut.dim, 0), cut.padded(part))
+    return every
+
+
+class _Gathering:
+    """One all-gather of a group of perturbed parameters (consecutive owners in one
+    FSDP2 module, :func:`buckets`) in a forward: the whole parameters (``wholes``, held
+    until every owner of the group has computed, ``pending``), and what backward needs
+    to gather again the ones autograd saved: all of them in one all-gather at the first
+    read, each freed after its last."""
+
+    def __init__(self, names: tuple[str, ...], leaves: dict[str, Tensor], cuts, pending: set[int]):
+        self.names, self.leaves, self.pending = names, leaves, pending
+        self.cuts = [cuts[n] for n in names]
+        self.saved: dict[str, list[int]] = {}  # {name: [its leaf's version, reads left]}
+        self.again: dict[str, Tensor] | None = None
+        self.grad = torch.is_grad_enabled()
+        wholes = _Gathered.apply(self, *leaves.values())  # a collective
+        self.wholes = dict(zip(names, wholes))
+        self.storages = {w.untyped_storage().data_ptr(): n for n, w in self.wholes.items()}
+
+    def drop(self) -> None:
+        """Free the whole parameters (autograd's graph keeps this object)."""
+        self.wholes, self.storages = {}, {}
+
+    def pack(self, t: Tensor) -> object:
+        """What autograd saves of ``t``: a view of a whole parameter as :class:`_Again`."""
+        if t.device.type == "meta" or not t.untyped_storage().nbytes():
+            return t
+        name = self.storages.get(t.untyped_storage().data_ptr())
+        if name is None:
+            return t
+        self.saved.setdefault(name, [self.leaves[name]._version, 0])[1] += 1
+        return _Again(self, name, t)
+
+    def whole_again(self, name: str) -> Tensor:
+        """The whole parameter ``name`` for backward: at the first read the group's saved
+        parameters gathered again (one collective), each freed after its last read."""
+        version, left = self.saved[name]
+        if self.leaves[name]._version != version:  # its gradient was written over it
+            raise PointOverwritten("a weight gathered again after its point was overwritten")
+        if self.again is None or name not in self.again:
+            names = [n for n, (_, k) in self.saved.items() if k > 0 or n == name]
+            leaves = [self.leaves[n].detach() for n in names]
+            cuts = [self.cuts[self.names.index(n)] for n in names]
+            self.again = dict(zip(names, _gather(leaves, cuts)))
+        whole = self.again[name]
+        self.saved[name][1] = left - 1
+        if left == 1:  # read for the last time (autograd reads each saved tensor once)
+            del self.again[name]
+        return whole
+
 
 class _Gathered(torch.autograd.Function):
-    """``local -> whole``: the all-gather of a slice; backward: its gradient's mean
-    over processes, reduce-scattered (the gradient of this process's slice)."""
+    """``locals -> wholes``: the all-gather of a group's slices; backward: their
+    gradients' means over processes, reduce-scattered (the gradients of this process's
+    slices), after which the group's weights gathered again for backward are freed."""
 
     @staticmethod
-    def forward(ctx, local: Tensor, cut: _Slice) -> Tensor:
-        ctx.cut, ctx.length = cut, local.shape[cut.dim]
-        return cut.gather(local)
+    def forward(ctx, gathering: _Gathering, *locals_: Tensor) -> tuple[Tensor, ...]:
+        cuts = gathering.cuts
+        ctx.gathering, ctx.lengths = gathering, [t.shape[c.dim] for t, c in zip(locals_, cuts)]
+        return tuple(_gather(list(locals_), cuts))
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.cut.scatter(grad, ctx.length), None
+    def backward(ctx, *grads: Tensor):
+        gathering = ctx.gathering
+        gathering.again = None
+        return (None, *_scatter(grads, gathering.cuts, ctx.lengths))
 
 
 class _Again:
     """A saved view of a gathered weight, kept as how to gather it again."""
 
-    __slots__ = ("cut", "leaf", "offset", "size", "stride", "version")
+    __slots__ = ("gathering", "name", "offset", "size", "stride")
 
-    def __init__(self, leaf: Tensor, cut: _Slice, view: Tensor):
-        self.leaf, self.cut, self.version = leaf, cut, leaf._version
+    def __init__(self, gathering: _Gathering, name: str, view: Tensor):
+        self.gathering, self.name = gathering, name
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
 
     def unpack(self) -> Tensor:
-        if self.leaf._version != self.version:  # its gradient was written over it
-            raise PointOverwritten("a weight gathered again after its point was overwritten")
-        whole = self.cut.gather(self.leaf.detach())
+        whole = self.gathering.whole_again(self.name)
         return whole.as_strided(self.size, self.stride, self.offset)
 
 
@@ -465,11 +604,15 @@ class ShardedGathered:
     """The loss of a sharded model at a point that stays in the measure's own slices
     (the model's shards are never written): each module that owns a perturbed
     parameter computes on that parameter all-gathered from the point, the rest of the
-    model on its own shards through FSDP. As FSDP does for its own parameters, a
-    gathered weight is not kept from the forward to the backward (what autograd saves
-    of it is gathered again there), and its gradient is reduce-scattered to the slices,
-    averaged over processes. Possible where every owner is a leaf module (a ``Linear``,
-    an ``Embedding``, a norm: :func:`leaf_owners`).
+    model on its own shards through FSDP. The perturbed parameters of consecutive
+    owners in one FSDP2 module below the root (a layer) are gathered in one collective,
+    up to :data:`BUCKET` entries (:func:`buckets`; an owner outside such modules gathers
+    its own), when the first of them computes, and freed when all have. As FSDP does
+    for its own parameters, they are not kept from the forward to the backward: what
+    autograd saved of them is gathered again there (one collective per group, each
+    freed after its last read), and their gradients are reduce-scattered to the slices
+    (one collective per group, the mean over processes). Possible where every owner is
+    a leaf module (a ``Linear``, an ``Embedding``, a norm: :func:`leaf_owners`).
 
     A half-precision model (``half``) is measured with float32 only where the
     perturbation lives: the point's slices are float32, and the owners compute in
@@ -505,9 +648,13 @@ class ShardedGathered:
             kept.extend(a for a in attrs if a not in kept)
         g = shards.global_layout
         self.cuts = {
-            n: _Slice(shards.dims[n][0], g.shapes[g.names.index(n)][shards.dims[n][0]], self.world)
-            for n in g.names
+            n: _Slice(shards.dims[n][0], tuple(shape), self.world)
+            for n, shape in zip(g.names, g.shapes)
         }
+        self.groups = _groups(model, found, {n: math.prod(s) for n, s in zip(g.names, g.shapes)})
+        self.members: dict[int, list[int]] = {}  # {id(names): the ids of their owners}
+        for i, names in self.groups.items():
+            self.members.setdefault(id(names), []).append(i)
         self.shapes = dict(zip(shards.local.names, shards.local.shapes))
         self.unread = _groups_within(model, {id(p) for _, p in named})
 
@@ -521,36 +668,45 @@ class ShardedGathered:
         only what the owners do not replace (``as_training``: every layer, as for a
         training step)."""
         half, open_ = self.half, []
+        live: dict[int, _Gathering] = {}  # {id(names): the group's gathering}
 
         def before(module) -> None:
-            saved, gathered = {}, {}
+            names = self.groups[id(module)]
+            group = live.get(id(names))
+            if (
+                group is None
+                or id(module) not in group.pending  # an owner computing again
+                or group.grad != torch.is_grad_enabled()  # an owner computed without grad
+            ):
+                if group is not None:
+                    group.drop()
+                group = live[id(names)] = _Gathering(
+                    names,
+                    {n: tensors[n].view(self.shapes[n]) for n in names},
+                    self.cuts,
+                    set(self.members[id(names)]),
+                )
+            saved = {}
             for attr, name in self.owners[id(module)][1]:
-                leaf = tensors[name].view(self.shapes[name])
-                whole = _Gathered.apply(leaf, self.cuts[name])
-                gathered[whole.untyped_storage().data_ptr()] = (leaf, self.cuts[name])
                 saved[attr] = module._parameters[attr]
-                module._parameters[attr] = whole
+                module._parameters[attr] = group.wholes[name]
             for table in (module._parameters, module._buffers):
                 for attr, t in table.items():
                     if attr not in saved and isinstance(t, Tensor) and t.dtype == half:
                         saved[attr] = t
                         table[attr] = t.float()
-
-            def pack(t: Tensor):
-                if t.device.type == "meta" or not t.untyped_storage().nbytes():
-                    return t
-                found = gathered.get(t.untyped_storage().data_ptr())
-                return t if found is None else _Again(*found, t)
-
-            def unpack(x):
-                return x.unpack() if isinstance(x, _Again) else x
-
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack)
             hooks.__enter__()
             open_.append((module, saved, hooks))
 
         def after(module) -> None:
             _close(open_.pop())
+            names = self.groups[id(module)]
+            group = live.get(id(names))
+            if group is not None:
+                group.pending.discard(id(module))
+                if not group.pending:  # every owner of the group has computed
+                    live.pop(id(names)).drop()
 
         owners = [module for module, _ in self.owners.values()]
         unread = [] if as_training else self.unread
@@ -564,6 +720,8 @@ class ShardedGathered:
         finally:
             while open_:  # a forward that raised
                 _close(open_.pop())
+            for gathering in live.values():
+                gathering.drop()
             for group, flag in zip(unread, was):
                 group.unshard_in_backward = flag
                 group.__dict__.pop("unshard", None)
@@ -616,6 +774,65 @@ class ShardedGathered:
     def restore(self, theta) -> None:
         """Nothing to restore: the model's shards are never written."""
         reshard(self.model)
+
+
+BUCKET = 1 << 22
+"""Entries that owners of one FSDP2 module gather in one collective at most: parameters
+smaller than this share a collective (whose fixed cost, a round trip, weighs on small
+ones), larger ones are gathered alone, into their own memory (no copies through a
+shared buffer)."""
+
+
+def _groups(model: nn.Module, owners: dict, sizes: Mapping[str, int]) -> dict[int, tuple]:
+    """``{id(owner): names}``: the perturbed parameters gathered in one collective when
+    an owner computes: those of consecutive owners within one FSDP2 module below the
+    root (a layer, which FSDP2 gathers at once), :func:`buckets` of at most
+    :data:`BUCKET` entries (``sizes``); an owner elsewhere gathers its own. The same
+    tuple object for the owners of one group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+    by_unit: dict[str, dict[int, list[str]]] = {}
+    unit_of: dict[int, str] = {}
+    for owner, (module, attrs) in owners.items():
+        if id(module) not in unit_of:  # a module under two names: in its first's group
+            within = [u for u in units if owner == u or owner.startswith(u + ".")]
+            unit_of[id(module)] = max(within, key=len) if within else f"\0{owner}"
+        names = by_unit.setdefault(unit_of[id(module)], {}).setdefault(id(module), [])
+        names.extend(n for _, n in attrs if n not in names)
+    out = {}
+    for members in by_unit.values():
+        for group in buckets(list(members.items()), sizes, BUCKET):
+            out.update(dict.fromkeys(group[0], group[1]))
+    return out
+
+
+def buckets(members: list, sizes: Mapping[str, int], cap: int) -> list[tuple[list, tuple]]:
+    """``members`` (``[(owner, names)]``, in order) cut into runs whose parameters
+    number at most ``cap`` entries together: ``[(owners, names)]``. An owner larger than
+    ``cap`` is a run of its own; one that shares a parameter with the open run joins it.
+
+    >>> sizes = {"a": 3, "b": 1, "c": 4, "d": 9}
+    >>> members = [(0, ["a", "b"]), (1, ["c"]), (2, ["d"]), (3, ["b"])]
+    >>> buckets(members, sizes, cap=8)
+    [([0, 1], ('a', 'b', 'c')), ([2], ('d',)), ([3], ('b',))]
+    """
+    runs: list[tuple[list, list]] = []
+    count = 0
+    for owner, names in members:
+        new = [n for n in names if not runs or n not in runs[-1][1]]
+        size = sum(sizes[n] for n in new)
+        if not runs or (count + size > cap and len(new) == len(names)):
+            runs.append(([], []))
+            new, size, count = list(names), sum(sizes[n] for n in names), 0
+        runs[-1][0].append(owner)
+        runs[-1][1].extend(new)
+        count += size
+    return [(owners, tuple(names)) for owners, names in runs]
+
+
+def _unpack(x: object) -> Tensor:
+    return x.unpack() if isinstance(x, _Again) else x
 
 
 def _param_groups(model: nn.Module) -> list:
