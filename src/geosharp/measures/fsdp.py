@@ -512,14 +512,14 @@ class _Gathering:
     to gather again the ones autograd saved: all of them in one all-gather at the first
     read, each freed after its last."""
 
-    def __init__(self, names: tuple[str, ...], leaves: dict[str, Tensor], cuts, pending: set[int]):
-        self.names, self.leaves, self.pending = names, leaves, pending
-        self.cuts = [cuts[n] for n in names]
+    def __init__(self, leaves: dict[str, Tensor], cuts: Mapping[str, _Slice], owners: list[int]):
+        self.leaves, self.pending = leaves, set(owners)  # ids of the owners yet to compute
+        self.cuts = {n: cuts[n] for n in leaves}
         self.saved: dict[str, list[int]] = {}  # {name: [its leaf's version, reads left]}
         self.again: dict[str, Tensor] | None = None
         self.grad = torch.is_grad_enabled()
         wholes = _Gathered.apply(self, *leaves.values())  # a collective
-        self.wholes = dict(zip(names, wholes))
+        self.wholes = dict(zip(leaves, wholes))
         self.storages = {w.untyped_storage().data_ptr(): n for n, w in self.wholes.items()}
 
     def drop(self) -> None:
@@ -545,7 +545,7 @@ class _Gathering:
         if self.again is None or name not in self.again:
             names = [n for n, (_, k) in self.saved.items() if k > 0 or n == name]
             leaves = [self.leaves[n].detach() for n in names]
-            cuts = [self.cuts[self.names.index(n)] for n in names]
+            cuts = [self.cuts[n] for n in names]
             self.again = dict(zip(names, _gather(leaves, cuts)))
         whole = self.again[name]
         self.saved[name][1] = left - 1
@@ -561,7 +561,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gathering: _Gathering, *locals_: Tensor) -> tuple[Tensor, ...]:
-        cuts = gathering.cuts
+        cuts = list(gathering.cuts.values())
         ctx.gathering, ctx.lengths = gathering, [t.shape[c.dim] for t, c in zip(locals_, cuts)]
         return tuple(_gather(list(locals_), cuts))
 
@@ -569,7 +569,7 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx, *grads: Tensor):
         gathering = ctx.gathering
         gathering.again = None
-        return (None, *_scatter(grads, gathering.cuts, ctx.lengths))
+        return (None, *_scatter(grads, list(gathering.cuts.values()), ctx.lengths))
 
 
 class _Again:
@@ -651,10 +651,8 @@ class ShardedGathered:
             n: _Slice(shards.dims[n][0], tuple(shape), self.world)
             for n, shape in zip(g.names, g.shapes)
         }
-        self.groups = _groups(model, found, {n: math.prod(s) for n, s in zip(g.names, g.shapes)})
-        self.members: dict[int, list[int]] = {}  # {id(names): the ids of their owners}
-        for i, names in self.groups.items():
-            self.members.setdefault(id(names), []).append(i)
+        sizes = {n: math.prod(s) for n, s in zip(g.names, g.shapes)}
+        self.groups = {i: group for group in _groups(model, found, sizes) for i in group[0]}
         self.shapes = dict(zip(shards.local.names, shards.local.shapes))
         self.unread = _groups_within(model, {id(p) for _, p in named})
 
@@ -668,11 +666,11 @@ class ShardedGathered:
         only what the owners do not replace (``as_training``: every layer, as for a
         training step)."""
         half, open_ = self.half, []
-        live: dict[int, _Gathering] = {}  # {id(names): the group's gathering}
+        live: dict[int, _Gathering] = {}  # {id(a group's owners): its gathering}
 
         def before(module) -> None:
-            names = self.groups[id(module)]
-            group = live.get(id(names))
+            owners, names = self.groups[id(module)]
+            group = live.get(id(owners))
             if (
                 group is None
                 or id(module) not in group.pending  # an owner computing again
@@ -680,11 +678,8 @@ class ShardedGathered:
             ):
                 if group is not None:
                     group.drop()
-                group = live[id(names)] = _Gathering(
-                    names,
-                    {n: tensors[n].view(self.shapes[n]) for n in names},
-                    self.cuts,
-                    set(self.members[id(names)]),
+                group = live[id(owners)] = _Gathering(
+                    {n: tensors[n].view(self.shapes[n]) for n in names}, self.cuts, owners
                 )
             saved = {}
             for attr, name in self.owners[id(module)][1]:
@@ -701,12 +696,12 @@ class ShardedGathered:
 
         def after(module) -> None:
             _close(open_.pop())
-            names = self.groups[id(module)]
-            group = live.get(id(names))
+            owners = self.groups[id(module)][0]
+            group = live.get(id(owners))
             if group is not None:
                 group.pending.discard(id(module))
                 if not group.pending:  # every owner of the group has computed
-                    live.pop(id(names)).drop()
+                    live.pop(id(owners)).drop()
 
         owners = [module for module, _ in self.owners.values()]
         unread = [] if as_training else self.unread
@@ -783,12 +778,11 @@ ones), larger ones are gathered alone, into their own memory (no copies through 
 shared buffer)."""
 
 
-def _groups(model: nn.Module, owners: dict, sizes: Mapping[str, int]) -> dict[int, tuple]:
-    """``{id(owner): names}``: the perturbed parameters gathered in one collective when
-    an owner computes: those of consecutive owners within one FSDP2 module below the
-    root (a layer, which FSDP2 gathers at once), :func:`buckets` of at most
-    :data:`BUCKET` entries (``sizes``); an owner elsewhere gathers its own. The same
-    tuple object for the owners of one group."""
+def _groups(model: nn.Module, owners: dict, sizes: Mapping[str, int]) -> list[tuple]:
+    """``[(ids of owners, names)]``: the perturbed parameters gathered in one collective
+    when the first of those owners computes: those of consecutive owners within one
+    FSDP2 module below the root (a layer, which FSDP2 gathers at once), :func:`buckets`
+    of at most :data:`BUCKET` entries (``sizes``); an owner elsewhere gathers its own."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
@@ -800,11 +794,11 @@ def _groups(model: nn.Module, owners: dict, sizes: Mapping[str, int]) -> dict[in
             unit_of[id(module)] = max(within, key=len) if within else f"\0{owner}"
         names = by_unit.setdefault(unit_of[id(module)], {}).setdefault(id(module), [])
         names.extend(n for _, n in attrs if n not in names)
-    out = {}
-    for members in by_unit.values():
-        for group in buckets(list(members.items()), sizes, BUCKET):
-            out.update(dict.fromkeys(group[0], group[1]))
-    return out
+    return [
+        group
+        for members in by_unit.values()
+        for group in buckets(list(members.items()), sizes, BUCKET)
+    ]
 
 
 def buckets(members: list, sizes: Mapping[str, int], cap: int) -> list[tuple[list, tuple]]:
