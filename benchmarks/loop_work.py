@@ -9,6 +9,13 @@ Models (random weights, the attention's pairs perturbed only, geodesic-inv): ``b
 BERT-base's shape in float32 (28M pair entries); ``llama-gqa``, a 6-layer LLaMA of
 width 1024 with 16 query and 4 key/value heads in bfloat16 (16M). Prints the seconds per
 step of each repeat (7 evaluations of 6 steps each, 2 CPU threads).
+
+``--measure adaptive`` steps the same entries straight, on float32 tangents as a measure
+does; ``--gradient model`` hands Auto-PGD a gradient in the model's dtype (a bfloat16
+model's: kept apart, the iterate held as its point) instead of float32 (written over
+the point):
+
+    python benchmarks/loop_work.py --model llama-gqa --measure adaptive --gradient model
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ def main() -> None:
     parser.add_argument("--model", choices=["bert", "llama-gqa"], default="bert")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--measure", choices=["geodesic-inv", "adaptive"], default="geodesic-inv")
+    parser.add_argument("--gradient", choices=["float32", "model"], default="float32")
     args = parser.parse_args()
 
     import torch
@@ -54,8 +63,13 @@ def main() -> None:
     names = {b.param for s in pairs for b in (*s.g_blocks, *s.h_blocks)}
     named = [(n, p.detach()) for n, p in model.named_parameters() if n in names]
     layout = ParameterLayout.from_named(named)
-    space = PerturbationSpace(dict(named), layout, pairs, Geometry.named("geodesic", "inv"))
+    if args.measure == "adaptive":
+        geometry, pairs, dtype = Geometry.named("adaptive"), [], torch.float32
+    else:  # as before the option: tangents in the model's dtype
+        geometry, dtype = Geometry.named("geodesic", "inv"), None
+    space = PerturbationSpace(dict(named), layout, pairs, geometry, dtype=dtype)
     grad = torch.randn(layout.numel) * 1e-3
+    width = named[0][1].dtype if args.gradient == "model" else torch.float32
 
     def loss_grad(point, out):
         return point[:8].sum(), out.copy_(grad)
@@ -63,15 +77,20 @@ def main() -> None:
     seconds = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        auto_pgd(loss_grad, space, 0.1, 6)
+        auto_pgd(loss_grad, space, 0.1, 6, grad_dtype=width)
         seconds.append((time.perf_counter() - start) / 7)
     print(
-        f"{args.model}: {layout.numel / 1e6:.1f}M pair entries, seconds per step "
+        f"{args.model}, {args.measure}, gradient {args.gradient}: "
+        f"{layout.numel / 1e6:.1f}M pair entries, seconds per step "
         + " ".join(f"{s:.3f}" for s in seconds)
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "numel": layout.numel, "seconds": seconds}, f)
+            json.dump(
+                {"model": args.model, "measure": args.measure, "gradient": args.gradient,
+                 "numel": layout.numel, "seconds": seconds},
+                f,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

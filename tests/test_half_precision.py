@@ -29,6 +29,9 @@ def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(
     ref = geosharp.sharpness(reference, [inputs], loss, measure, 0.1, **kw)
     assert low.settings["precision"] == "float32 in the perturbed modules, bfloat16 elsewhere"
     assert low.settings["dtype"] == "float32"  # the perturbation itself
+    # Auto-PGD's gradient: the model's width on a straight step, as its training step's
+    assert low.settings["gradient"] == ("bfloat16" if measure == "adaptive" else "float32")
+    assert ref.settings["gradient"] == "float32"
     assert abs(low.value - ref.value) <= low.floor
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -191,3 +194,50 @@ def test_a_float32_copy_changed_in_place_inside_its_module_is_refused():
         out = owner(x)
         with pytest.raises(RuntimeError, match="changed in place after"):
             out.float().sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("measure", "rho", "float32", "half"),
+    [("adaptive", 1.0, 3, 1), ("adaptive-linf", 0.2, 3, 1), ("geodesic-inv", 2.0, 4, 0)],
+)
+def test_vectors_alive_at_each_evaluation_of_a_bfloat16_model(measure, rho, float32, half):
+    """A straight step keeps the gradient in bfloat16, as the model's training step
+    does, in a buffer of its own, and the iterate in the float32 buffer of its point:
+    at most three float32 vectors of the perturbed beside it (``xi``, its previous and
+    best values), where the point and a float32 gradient sharing one buffer made four.
+    A geodesic step pulls the gradient back in float32: four float32 vectors."""
+    import gc
+
+    from hf_zoo import logits_of
+
+    model, inputs, _ = build("llama")
+    model = model.to(torch.bfloat16)
+
+    def loss(m, batch):  # in float32: values that bfloat16 would round alike differ
+        logits = logits_of(m(**batch)).float()
+        return -torch.log_softmax(logits, -1)[..., 0].mean()
+
+    attention = [n for n, p in model.named_parameters() if ".self_attn." in n]
+    numel = sum(p.numel() for n, p in model.named_parameters() if n in attention)
+    counts = []
+
+    def vectors() -> dict[torch.dtype, int]:
+        gc.collect()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+        seen = {t.untyped_storage().data_ptr(): t.dtype for t in tensors if t.numel() == numel}
+        return {d: list(seen.values()).count(d) for d in (torch.float32, torch.bfloat16)}
+
+    def census(event, i, iterate):
+        if event == "evaluated" and i > 0:
+            counts.append(vectors())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        geosharp.sharpness(
+            model, [inputs], loss, measure, rho, parameters=attention, callback=census,
+            estimator=geosharp.WorstCase(n_iters=12),
+        )  # fmt: skip
+    assert max(c[torch.float32] for c in counts) == float32, counts
+    assert max(c[torch.bfloat16] for c in counts) == half, counts

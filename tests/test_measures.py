@@ -337,6 +337,58 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small, name, metric):
     assert all(s in (2 * rho / 2**k for k in range(8)) for s in trace.step_sizes)
 
 
+@pytest.mark.parametrize(
+    ("name", "p", "rho"),
+    [("adaptive", 2.0, 0.5), ("adaptive", math.inf, 0.05), ("euclidean", 2.0, 1.0)],
+)
+def test_a_narrower_gradient_keeps_the_iterate_as_its_point(small, name, p, rho, monkeypatch):
+    """``grad_dtype`` narrower than the space (a half-precision model's gradient): the
+    gradient gets a buffer of its own in it, the point is the iterate's own buffer; the
+    run is that of the full-width gradient to the narrow one's round-off, its iterates
+    stay in the ball, its best value is the loss at the returned tangent's point, and
+    the device path (the best point kept by ``torch.where``) takes the same steps."""
+    from geosharp.measures import apgd
+
+    named = list(small.model.named_parameters())
+    layout = ParameterLayout.from_named(named)
+    theta = layout.flatten({n: p.detach() for n, p in named})
+    space = PerturbationSpace(theta, layout, [], Geometry.named(name, p=p))
+    loss = geosharp.params.functional_loss(small.model, small.loss_fn)
+    seen = {}
+
+    def loss_grad(point, out):
+        seen.setdefault("out", set()).add(out.dtype)
+        seen.setdefault("shared", set()).add(out.data_ptr() == point.data_ptr())
+        point = point.detach().requires_grad_(True)
+        value = loss(layout.unflatten(point), small.batches[0])
+        return value.detach(), out.copy_(torch.autograd.grad(value, point)[0])
+
+    def norms(event, i, iterate):
+        if event == "step":
+            seen.setdefault("norms", []).append(float(space.norm(iterate.xi)))
+
+    runs = {}
+    with geosharp.params.evaluation_mode(small.model):
+        for key, dtype in (("wide", None), ("narrow", torch.float32), ("device", torch.float32)):
+            if key == "device":
+                monkeypatch.setattr(apgd, "_HOST_DEVICES", ())
+            seen.clear()
+            runs[key] = auto_pgd(loss_grad, space, rho, 20, callback=norms, grad_dtype=dtype)
+            runs[key] += (seen["out"], seen["shared"], seen["norms"])
+        with torch.no_grad():
+            at_best = loss(layout.unflatten(space.retr(runs["narrow"][1])), small.batches[0])
+    wide, narrow, device = runs["wide"], runs["narrow"], runs["device"]
+    assert wide[3:5] == ({torch.float64}, {True}) and narrow[3:5] == ({torch.float32}, {False})
+    assert narrow[2].losses == pytest.approx(wide[2].losses, rel=1e-6)
+    assert narrow[2].losses != wide[2].losses  # the gradient's round-off steered the run
+    assert max(narrow[5]) <= rho * (1 + 1e-9)
+    assert float(space.norm(narrow[1])) <= rho * (1 + 1e-9)
+    assert float(at_best) == pytest.approx(float(narrow[0]), rel=1e-12)
+    assert device[2].losses == narrow[2].losses and torch.equal(device[1], narrow[1])
+    trace = narrow[2]
+    assert any(trace.losses[m] < trace.best[m] for m in trace.restarts)  # back to the best
+
+
 def test_checkpoint_schedule():
     """p_0 = 0, p_1 = 0.22, p_{j+1} = p_j + max(p_j - p_{j-1} - 0.03, 0.06)."""
     assert checkpoints(100) == [22, 41, 57, 70, 80, 87, 93, 99]

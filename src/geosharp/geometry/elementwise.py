@@ -299,6 +299,109 @@ class ElementwiseSpace:
         self._pass_done()
         return out
 
+    # -- the straight step with the iterate held as its point (a narrower gradient) ------
+    #
+    # For a half-precision model the gradient is kept in the model's precision and the
+    # iterate ``x`` in the buffer of its point ``theta + x``: the forward reads it there,
+    # and the next step reads it back as ``x`` (``point=True``), run by run, exactly
+    # where ``|x| <= |theta|`` (Sterbenz), else to the point's round-off.
+
+    def _theta_run(self, run: _Run) -> Tensor:
+        thetas = [theta for theta, _, _ in run.pieces]
+        return thetas[0] if len(thetas) == 1 else torch.cat(thetas)
+
+    def held_direction_(
+        self, grad: Tensor, x: Tensor, others: Sequence[Tensor], point: bool
+    ) -> tuple[Tensor, list[Tensor]]:
+        """``x <- x - theta`` first where ``point``; then ``sum (c grad)^2`` and
+        ``<y, grad>`` for each ``y`` of ``(x, *others)``, in one pass, run by run, in the
+        tangents' dtype (0-d float64 sums of this process's entries). ``grad`` (in a
+        narrower dtype) is read, not written: :meth:`held_combine_` applies ``c^2``.
+        Without a pair factor only."""
+        ys = (x, *others)
+        partial = torch.zeros((len(self.runs), 1 + len(ys)), dtype=self.dtype, device=x.device)
+        for i, run in enumerate(self.runs):
+            s, e, row = run.start, run.end, partial[i]
+            if point:
+                x[s:e].sub_(self._theta_run(run))
+            g = grad[s:e].to(self.dtype)
+            for j, y in enumerate(ys, 1):
+                torch.dot(y[s:e], g, out=row[j])
+            c = self._c(run)
+            if c is not None:
+                g.mul_(c)
+            torch.dot(g, g, out=row[0])
+        self._pass_done()
+        sums = partial.double().sum(0)
+        return sums[0], list(sums[1:])
+
+    def held_combine_(
+        self,
+        grad: Tensor,
+        kd: Tensor,
+        x: Tensor,
+        kx: Tensor,
+        xp: Tensor | None,
+        kxp: Tensor | None,
+        out: Tensor,
+    ) -> Tensor:
+        """``out <- theta + kd c^2 grad + kx x + kxp xp``, run by run: the next iterate,
+        held as its point (``out`` may be ``xp``'s buffer, not ``x``'s)."""
+        for run in self.runs:
+            s, e = run.start, run.end
+            piece = out[s:e]
+            if xp is None:
+                torch.mul(x[s:e], kx, out=piece)
+            else:
+                torch.mul(xp[s:e], kxp, out=piece).addcmul_(x[s:e], kx)
+            g = grad[s:e].to(self.dtype)
+            c = self._c(run)
+            if c is not None:
+                g.mul_(c).mul_(c)
+            piece.addcmul_(g, kd).add_(self._theta_run(run))
+        self._pass_done()
+        return out
+
+    def held_box_(
+        self,
+        grad: Tensor,
+        x: Tensor,
+        point: bool,
+        xp: Tensor | None,
+        out: Tensor,
+        eta: float,
+        a: float,
+        rho: float,
+    ) -> Tensor:
+        """The L-infinity step of Auto-PGD with the iterate held as its point, run by
+        run: ``x <- x - theta`` first where ``point``; ``z = clip(x + eta c sign(grad))``
+        into ``|z_j| <= rho c_j``, with momentum (``a != 1``) ``z <- clip(a z + 2(1 - a) x
+        - (1 - a) xp)``; ``out <- theta + z`` (``out`` may be ``xp``'s buffer)."""
+        for run in self.runs:
+            s, e = run.start, run.end
+            theta = self._theta_run(run)
+            if point:
+                x[s:e].sub_(theta)
+            c = self._c(run)
+            z = grad[s:e].to(self.dtype).sign_()
+            if c is not None:
+                z.mul_(c)
+            upper = rho if c is None else c.mul_(rho)
+            z.mul_(eta).add_(x[s:e]).clamp_(-upper, upper)
+            if a != 1.0:
+                z.mul_(a).add_(x[s:e], alpha=2.0 * (1.0 - a)).sub_(xp[s:e], alpha=1.0 - a)
+                z.clamp_(-upper, upper)
+            torch.add(z, theta, out=out[s:e])
+        self._pass_done()
+        return out
+
+    def hold_(self, x: Tensor, point: bool) -> Tensor:
+        """``x <- theta + x`` (``point=True``) or ``x <- x - theta``, in place."""
+        for part in self.parts:
+            sl = slice(part.start, part.end)
+            (x[sl].add_ if point else x[sl].sub_)(part.theta)
+        return x
+
     @property
     def scale(self) -> Tensor:
         ones = torch.ones(self.numel, dtype=self.dtype, device=self.device)

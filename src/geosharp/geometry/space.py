@@ -145,15 +145,25 @@ class Geometry:
         """Whether element-wise entries take the exact GL(1) geodesic."""
         return self.elementwise.step == "exp"
 
+    @property
+    def holds_point(self) -> bool:
+        """Whether every entry steps on the straight line ``theta + xi`` (no pair
+        factor, no exponential): Auto-PGD may then keep an iterate in its point's buffer
+        beside a narrower gradient (:attr:`PerturbationSpace.holds_point`)."""
+        return self.pairs is None and not self.exp_elementwise
+
 
 @dataclass
 class Retraction:
     """What :meth:`PerturbationSpace.retr_` computed that the pullback reuses: the
     tangent ``xi`` and, per pair block, the state's saved ``h x h`` matrices (the ``xi``
-    blocks are read again rather than kept through the forward and backward)."""
+    blocks are read again rather than kept through the forward and backward);
+    ``point``: the buffer ``xi`` holds the point ``theta + xi`` instead
+    (:attr:`PerturbationSpace.holds_point`)."""
 
     xi: Tensor
     saved: list[object]
+    point: bool = False
 
 
 class PerturbationSpace:
@@ -379,6 +389,59 @@ class PerturbationSpace:
         result into ``point`` in the same pass: :meth:`retr_` with ``written=True``
         completes it. ``point`` may be ``xp``'s buffer."""
         return self.elementwise.combine_(out, kd, x, kx, xp, kxp, point)
+
+    # -- the iterate held as its point, beside a narrower gradient ----------------------
+
+    @property
+    def holds_point(self) -> bool:
+        """Whether the step is the straight line ``theta + xi`` on every entry, so that
+        Auto-PGD may keep an iterate in the buffer of its point and a gradient narrower
+        than the tangents (a half-precision model's): :meth:`held_direction_`,
+        :meth:`held_combine_`, :meth:`held_box_`."""
+        return self.geometry.holds_point
+
+    def hold_(self, x: Tensor, point: bool = True) -> Tensor:
+        """``x <- theta + x`` (``point``) or back ``x <- x - theta``, in place."""
+        with torch.no_grad():
+            return self.elementwise.hold_(x, point)
+
+    def tangent(self, x: Tensor) -> Tensor:
+        """The tangent of a buffer that holds its point, as a new vector."""
+        return self.hold_(x.clone(), point=False)
+
+    def held_direction_(
+        self, step: Retraction, grad: Tensor, *others: Tensor
+    ) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`ascent_` for :attr:`holds_point`: ``step.xi`` read back from its point
+        first where ``step.point``; ``grad`` is read, never written (returns
+        ``||d||^2``, ``<xi, grad>`` and ``<y, grad>`` for each ``y`` of ``others``)."""
+        with torch.no_grad():
+            sq, dots = self.elementwise.held_direction_(grad, step.xi, others, step.point)
+            sums = self._sum(torch.stack([sq, *dots]))
+        return sums[0], list(sums[1:])
+
+    def held_combine_(
+        self,
+        grad: Tensor,
+        kd: Tensor,
+        x: Tensor,
+        kx: Tensor,
+        xp: Tensor | None,
+        kxp: Tensor | None,
+        out: Tensor,
+    ) -> Tensor:
+        """``out <- theta + kd d + kx x + kxp xp`` with ``d = c^2 grad``: the next iterate,
+        held as its point (``out`` may be ``xp``'s buffer)."""
+        with torch.no_grad():
+            return self.elementwise.held_combine_(grad, kd, x, kx, xp, kxp, out)
+
+    def held_box_(
+        self, step: Retraction, grad: Tensor, xp: Tensor | None, out: Tensor, eta, a, rho
+    ) -> Tensor:
+        """Auto-PGD's L-infinity step for :attr:`holds_point` (``out`` may be ``xp``'s
+        buffer): the next iterate, held as its point."""
+        with torch.no_grad():
+            return self.elementwise.held_box_(grad, step.xi, step.point, xp, out, eta, a, rho)
 
     @property
     def fused_step(self) -> bool:

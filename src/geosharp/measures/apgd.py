@@ -23,7 +23,10 @@ step's own), the perturbation ``xi`` and its previous and best values; nothing s
 is kept from one step to the next either (a retraction's ``h x h`` matrices would pin
 the C heap under the next step's block temporaries). On the host the best value is
 the iterate's own buffer while it is the best (kept from recycling until a better one
-replaces it): no copy on an improving step.
+replaces it): no copy on an improving step. A half-precision model's straight step
+keeps its gradient in the model's precision, as the model's training step does, and
+the iterate in its point's buffer instead (``grad_dtype``): the same three float32
+vectors beside a gradient half as wide.
 
 The best point's gradient is not kept: a restart that goes back to a best point other
 than the current one evaluates it again, and that evaluation is the next iteration's
@@ -130,8 +133,8 @@ class _L2Ball:
     straight element-wise step, its point ``theta + xi``), with no host synchronisation.
     """
 
-    def __init__(self, space: PerturbationSpace, rho: float):
-        self.space, self.rho = space, rho
+    def __init__(self, space: PerturbationSpace, rho: float, held: bool = False):
+        self.space, self.rho, self.held = space, rho, held
 
     def start(self, xi: Tensor | None) -> None:
         self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
@@ -156,10 +159,14 @@ class _L2Ball:
         """Overwrite ``grad``, the Euclidean gradient at the point of ``step`` (the
         retraction of ``xi = step.xi``), with the next iterate (see :func:`auto_pgd`);
         where the space allows, write the element-wise entries of its point into
-        ``point`` in the same pass (returned: whether it did)."""
+        ``point`` in the same pass (returned: whether it did). ``held``: ``grad`` is
+        read only and the next iterate is written into ``point``, held as its point."""
         space, rho, xi = self.space, self.rho, step.xi
         same = xi_prev is xi
-        if same:
+        if self.held:
+            dd, dots = space.held_direction_(step, grad, *(() if same else (xi_prev,)))
+            xd, pd = dots[0], dots[-1]
+        elif same:
             dd, (xd,) = space.ascent_(step, grad, xi)
             pd = xd
         else:
@@ -184,10 +191,14 @@ class _L2Ball:
             s2 = (rho / nn.sqrt().clamp_min(1e-30)).clamp(max=1.0)
             nn = s2 * s2 * nn
         new_x = s2 * (alpha * self.xx + beta * xd + (gamma * self.xp if gamma else 0.0))
-        kx, kd = (s2 * alpha).to(grad.dtype), (s2 * beta).to(grad.dtype)
-        kp = None if gamma is None or same else (s2 * gamma).to(grad.dtype)
+        kx, kd = (s2 * alpha).to(xi.dtype), (s2 * beta).to(xi.dtype)
+        kp = None if gamma is None or same else (s2 * gamma).to(xi.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
-            kx = (s2 * (alpha + gamma)).to(grad.dtype)
+            kx = (s2 * (alpha + gamma)).to(xi.dtype)
+        if self.held:
+            space.held_combine_(grad, kd, xi, kx, None if same else xi_prev, kp, point)
+            self.xx, self.pp, self.xp = nn, self.xx, new_x
+            return point, True
         fuse = point is not None and space.fused_step
         space.combine_(grad, kd, xi, kx, None if same else xi_prev, kp, point if fuse else None)
         self.xx, self.pp, self.xp = nn, self.xx, new_x
@@ -200,8 +211,8 @@ class _L2Ball:
 class _Box:
     """The L-infinity box ``|xi_j| <= rho c_j`` (Andriushchenko et al. 2023)."""
 
-    def __init__(self, space: PerturbationSpace, rho: float):
-        self.space, self.rho = space, rho
+    def __init__(self, space: PerturbationSpace, rho: float, held: bool = False):
+        self.space, self.rho, self.held = space, rho, held
 
     def start(self, xi: Tensor | None) -> None:
         self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
@@ -218,6 +229,9 @@ class _Box:
         a: float,
         point: Tensor | None,
     ) -> tuple[Tensor, bool]:
+        if self.held:
+            xp = None if a == 1.0 else xi_prev
+            return self.space.held_box_(step, grad, xp, point, eta, a, self.rho), True
         xi = step.xi
         self.space.pullback_(step, grad)
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
@@ -233,12 +247,16 @@ class _Box:
 
 class Iterate:
     """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent (not to be
-    written)."""
+    written; a new vector while the loop holds the iterate as its point)."""
 
-    __slots__ = ("xi",)
+    __slots__ = ("_buffer", "_space")
 
-    def __init__(self, xi: Tensor):
-        self.xi = xi
+    def __init__(self, buffer: Tensor, space: PerturbationSpace | None = None):
+        self._buffer, self._space = buffer, space  # space: the buffer holds the point
+
+    @property
+    def xi(self) -> Tensor:
+        return self._buffer if self._space is None else self._space.tangent(self._buffer)
 
 
 def auto_pgd(
@@ -250,6 +268,7 @@ def auto_pgd(
     momentum: float = 0.75,
     callback: Callable[[str, int, Iterate], None] | None = None,
     keep_best_gradient: bool = False,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, APGDTrace]:
     """Maximise ``xi -> loss(space.retr(xi))`` over the ``rho``-ball of ``space``.
 
@@ -267,6 +286,15 @@ def auto_pgd(
     replaces the point); where it raises :class:`PointOverwritten`, the point is formed
     again and evaluated with separate buffers from then on.
 
+    ``grad_dtype`` narrower than the space's (a half-precision model's, whose training
+    step's gradient it is), on a straight element-wise step
+    (:attr:`PerturbationSpace.holds_point`): the gradient is kept in it, in a buffer of
+    its own, and the iterate in the buffer of its point ``theta + xi``, where the
+    forward reads it and the step reads it back (``xi`` to the point's round-off): the
+    same three vectors beside a gradient of that width (the point and the gradient
+    otherwise share a vector of the space's width). The gradient only steers the
+    search; every value is the loss at a point of the ball.
+
     ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``
     (the start and the best point), ``"evaluate"`` before and ``"evaluated"`` after each
     call of ``loss_grad``, and ``"step"`` after the ``i``-th update (none in an
@@ -278,14 +306,22 @@ def auto_pgd(
     the comparison and copies only on improvement.
     """
     box = space.geometry.p == float("inf")
-    ball = _Box(space, rho) if box else _L2Ball(space, rho)
+    held = (
+        grad_dtype is not None
+        and torch.finfo(grad_dtype).bits < torch.finfo(space.dtype).bits
+        and space.holds_point
+        and not keep_best_gradient
+    )
+    ball = _Box(space, rho, held) if box else _L2Ball(space, rho, held)
     notify = (
-        (lambda event, i, x: callback(event, i, Iterate(x)))
+        (lambda event, i, x, point=False: callback(event, i, Iterate(x, space if point else None)))
         if callback is not None
-        else (lambda event, i, x: None)
+        else (lambda event, i, x, point=False: None)
     )
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
+    # held: the gradient's own buffer, in its dtype; the current iterate holds its point
+    gradient = torch.empty(space.numel, dtype=grad_dtype, device=space.device) if held else None
 
     def evaluate(
         x: Tensor, i: int, point: Tensor | None = None
@@ -295,6 +331,13 @@ def auto_pgd(
         ``point``: a buffer whose element-wise entries of the point the step wrote
         already."""
         nonlocal shared
+        if held:  # ``point``: x holds its point already
+            if point is None:
+                space.hold_(x)
+            notify("evaluate", i, x, True)
+            value, grad = loss_grad(x, gradient)
+            notify("evaluated", i, x, True)
+            return value, grad, Retraction(x, [], point=True)
         written = point is not None
         point = buffers.take() if point is None else point
         step = space.retr_(x, point, written=written)
@@ -330,8 +373,8 @@ def auto_pgd(
     revisit = False  # xi was set back to the best point, whose gradient is not kept
     for i in range(n_iters):
         if revisit:  # this iteration evaluates the best point again, without a step
-            revisit = False
-            new_value, grad, step = evaluate(xi, i + 1)
+            revisit = False  # held on a GPU: xi holds the best point's point already
+            new_value, grad, step = evaluate(xi, i + 1, xi if held and not on_host else None)
         else:
             # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)),
             # a = 1 first
@@ -344,7 +387,7 @@ def auto_pgd(
             if not written:
                 buffers.give(point)
             xi_prev, xi = xi, new_xi
-            notify("step", i + 1, xi)
+            notify("step", i + 1, xi, held)
             new_value, grad, step = evaluate(xi, i + 1, point if written else None)
         increases = increases + (new_value > value)
         value = new_value
@@ -383,7 +426,8 @@ def auto_pgd(
                         grad.copy_(best_grad)  # its retraction's matrices made again
                         value, step = best_value, space.retraction(xi)
                     else:  # the next iteration evaluates it: its value rose from xi's
-                        buffers.give(grad)
+                        if not held:
+                            buffers.give(grad)
                         grad = step = None
                         revisit = True
                 ball.restart(best_sq)
@@ -392,6 +436,8 @@ def auto_pgd(
             increases = torch.zeros((), device=xi.device)
         etas.append(eta)
 
+    if held and (best_xi is xi or not on_host):  # it holds its point
+        space.hold_(best_xi, point=False)
     if callback is not None:
         callback("end", n_iters, Iterate(best_xi))
     trace = APGDTrace(

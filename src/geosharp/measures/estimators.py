@@ -93,7 +93,7 @@ class WorstCase:
             xi0 = m.random(generator) if start > 0 or first_random else None
             value, _, run = auto_pgd(
                 objective, m.space, m.rho, self.n_iters, xi0,
-                callback=m.callback,
+                callback=m.callback, grad_dtype=m.grad_dtype,
             )  # fmt: skip
             out.starts.append(float(value) - loss)
             if float(value) > best:

@@ -399,6 +399,8 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
         autocast=None if autocast_dtype is None else name(autocast_dtype),
         dtype=name(target.dtype),
         precision=precision,
+        # Auto-PGD's gradient: a half-precision model's own width on a straight step
+        gradient=(name(half if half and geo.holds_point else target.dtype) if worst else None),
     )
 
 
@@ -425,12 +427,13 @@ def _measurement(
                 base = float32_copies(model, target.named)
         evaluate = functional_loss(model, loss_fn, base)
     # the rest of a half-precision model computes in its own precision
-    floor_dtype = mixed.half if mixed is not None else getattr(sharded, "half", None)
-    floor_dtype = floor_dtype or target.dtype
+    half = mixed.half if mixed is not None else getattr(sharded, "half", None)
+    floor_dtype = half or target.dtype
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
         autocast_for(target.device, autocast_dtype),
         None if autocast_dtype is not None else floor_dtype, sharded,
+        grad_dtype=half,  # the gradient in the model's precision, as its training step's
     )  # fmt: skip
 
 
