@@ -732,6 +732,7 @@ def main():
                 "one": one.per_batch, "many": many.per_batch,
                 "loss": [one.loss, many.loss], "world": many.settings.get("sharded"),
                 "precision": many.settings["precision"], "floor": many.floor,
+                "gradient": [one.settings["gradient"], many.settings["gradient"]],
                 "base reads": reads, "held": held, "gathers": gathers, "checked": checked,
                 "collectives": collectives,
             }  # fmt: skip

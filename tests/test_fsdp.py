@@ -118,6 +118,9 @@ def test_a_sharded_model_gets_the_one_process_value_and_is_left_unchanged(runs, 
                 assert abs(many - one) <= tol * abs(one), (key, one, many)
             if "float32" in case:  # bfloat16 shards, float32 perturbations
                 assert case["precision"] == "float32 in the perturbed modules, bfloat16 elsewhere"
+                # a straight step's gradient kept in bfloat16 on the shards as in one process
+                straight = "adaptive" in key
+                assert case["gradient"] == ["bfloat16" if straight else "float32"] * 2, key
                 value = sum(case["many"]) / len(case["many"])
                 assert abs(value - case["float32"]) <= case["floor"], key
                 assert abs(value - case["float32"]) <= 0.05 * case["float32"], key

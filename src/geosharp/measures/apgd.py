@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..geometry.space import PerturbationSpace, Retraction
+from ..geometry.space import Geometry, PerturbationSpace, Retraction
 
 
 class PointOverwritten(RuntimeError):
@@ -55,7 +55,15 @@ class PointOverwritten(RuntimeError):
     buffers."""
 
 
-__all__ = ["RESTART", "APGDTrace", "Iterate", "PointOverwritten", "auto_pgd", "checkpoints"]
+__all__ = [
+    "RESTART",
+    "APGDTrace",
+    "Iterate",
+    "PointOverwritten",
+    "auto_pgd",
+    "checkpoints",
+    "gradient_dtype",
+]
 
 RESTART = "revisit"
 """How :func:`auto_pgd` restarts away from the current point (recorded in results): the
@@ -245,6 +253,27 @@ class _Box:
         pass
 
 
+def gradient_dtype(
+    geometry: Geometry,
+    dtype: torch.dtype,
+    grad_dtype: torch.dtype | None,
+    keep_best_gradient: bool = False,
+) -> torch.dtype:
+    """The dtype :func:`auto_pgd` keeps the gradient in, on tangents of ``dtype``:
+    ``grad_dtype`` where narrower on a straight element-wise step
+    (:attr:`Geometry.holds_point <geosharp.geometry.Geometry.holds_point>`), else
+    ``dtype``.
+
+    >>> from geosharp.geometry import Geometry
+    >>> gradient_dtype(Geometry.named("adaptive"), torch.float32, torch.bfloat16)
+    torch.bfloat16
+    >>> gradient_dtype(Geometry.named("geodesic"), torch.float32, torch.bfloat16)
+    torch.float32
+    """
+    narrower = grad_dtype is not None and torch.finfo(grad_dtype).bits < torch.finfo(dtype).bits
+    return grad_dtype if narrower and geometry.holds_point and not keep_best_gradient else dtype
+
+
 class Iterate:
     """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent (not to be
     written; a new vector while the loop holds the iterate as its point)."""
@@ -306,12 +335,8 @@ def auto_pgd(
     the comparison and copies only on improvement.
     """
     box = space.geometry.p == float("inf")
-    held = (
-        grad_dtype is not None
-        and torch.finfo(grad_dtype).bits < torch.finfo(space.dtype).bits
-        and space.holds_point
-        and not keep_best_gradient
-    )
+    width = gradient_dtype(space.geometry, space.dtype, grad_dtype, keep_best_gradient)
+    held = width != space.dtype
     ball = _Box(space, rho, held) if box else _L2Ball(space, rho, held)
     notify = (
         (lambda event, i, x, point=False: callback(event, i, Iterate(x, space if point else None)))
@@ -321,7 +346,7 @@ def auto_pgd(
     buffers = _Buffers(space)
     shared = True  # the gradient is written over the point (one buffer for both)
     # held: the gradient's own buffer, in its dtype; the current iterate holds its point
-    gradient = torch.empty(space.numel, dtype=grad_dtype, device=space.device) if held else None
+    gradient = torch.empty(space.numel, dtype=width, device=space.device) if held else None
 
     def evaluate(
         x: Tensor, i: int, point: Tensor | None = None

@@ -35,7 +35,7 @@ from ..params import (
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
-from .apgd import RESTART, APGDTrace, Iterate
+from .apgd import RESTART, APGDTrace, Iterate, gradient_dtype
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
 from .fsdp import ShardedGathered, ShardedModel, is_sharded, leaf_owners
@@ -399,8 +399,7 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
         autocast=None if autocast_dtype is None else name(autocast_dtype),
         dtype=name(target.dtype),
         precision=precision,
-        # Auto-PGD's gradient: a half-precision model's own width on a straight step
-        gradient=(name(half if half and geo.holds_point else target.dtype) if worst else None),
+        gradient=name(gradient_dtype(geo, target.dtype, half)) if worst else None,
     )
 
 
