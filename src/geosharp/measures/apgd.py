@@ -23,10 +23,10 @@ step's own), the perturbation ``xi`` and its previous and best values; nothing s
 is kept from one step to the next either (a retraction's ``h x h`` matrices would pin
 the C heap under the next step's block temporaries). On the host the best value is
 the iterate's own buffer while it is the best (kept from recycling until a better one
-replaces it): no copy on an improving step. A half-precision model's straight step
-keeps its gradient in the model's precision, as the model's training step does, and
-the iterate in its point's buffer instead (``grad_dtype``): the same three float32
-vectors beside a gradient half as wide.
+replaces it): no copy on an improving step. A bfloat16 model's straight step keeps
+its gradient in bfloat16, as the model's training step does, and the iterate in its
+point's buffer instead (``grad_dtype``, :func:`gradient_dtype`): the same three
+float32 vectors beside a gradient half as wide.
 
 The best point's gradient is not kept: a restart that goes back to a best point other
 than the current one evaluates it again, and that evaluation is the next iteration's
@@ -260,18 +260,23 @@ def gradient_dtype(
     keep_best_gradient: bool = False,
 ) -> torch.dtype:
     """The dtype :func:`auto_pgd` keeps the gradient in, on tangents of ``dtype``:
-    ``grad_dtype`` where narrower on a straight element-wise step
+    ``grad_dtype`` where narrower, of float32's range, on a straight element-wise step
     (:attr:`Geometry.holds_point <geosharp.geometry.Geometry.holds_point>`), else
-    ``dtype``.
+    ``dtype`` (float16's range, to 65504, could overflow a gradient).
 
     >>> from geosharp.geometry import Geometry
     >>> gradient_dtype(Geometry.named("adaptive"), torch.float32, torch.bfloat16)
     torch.bfloat16
+    >>> gradient_dtype(Geometry.named("adaptive"), torch.float32, torch.float16)
+    torch.float32
     >>> gradient_dtype(Geometry.named("geodesic"), torch.float32, torch.bfloat16)
     torch.float32
     """
-    narrower = grad_dtype is not None and torch.finfo(grad_dtype).bits < torch.finfo(dtype).bits
-    return grad_dtype if narrower and geometry.holds_point and not keep_best_gradient else dtype
+    if grad_dtype is None or not geometry.holds_point or keep_best_gradient:
+        return dtype
+    narrow = torch.finfo(grad_dtype)
+    narrower = narrow.bits < torch.finfo(dtype).bits and narrow.max > 1e38
+    return grad_dtype if narrower else dtype
 
 
 class Iterate:
@@ -315,9 +320,9 @@ def auto_pgd(
     replaces the point); where it raises :class:`PointOverwritten`, the point is formed
     again and evaluated with separate buffers from then on.
 
-    ``grad_dtype`` narrower than the space's (a half-precision model's, whose training
-    step's gradient it is), on a straight element-wise step
-    (:attr:`PerturbationSpace.holds_point`): the gradient is kept in it, in a buffer of
+    ``grad_dtype`` narrower than the space's and of float32's range (a bfloat16 model's,
+    whose training step's gradient it is), on a straight element-wise step
+    (:func:`gradient_dtype`): the gradient is kept in it, in a buffer of
     its own, and the iterate in the buffer of its point ``theta + xi``, where the
     forward reads it and the step reads it back (``xi`` to the point's round-off): the
     same three vectors beside a gradient of that width (the point and the gradient

@@ -714,7 +714,7 @@ class Measurement:
     mask: Tensor | None = None
     callback: object = None
     steps: Progress | None = None
-    grad_dtype: torch.dtype | None = None  # a half-precision model's: the gradient kept in it
+    grad_dtype: torch.dtype | None = None  # a half-precision model's, offered to Auto-PGD
 
     def unperturbed(self, batch) -> tuple[float, float]:
         """The loss at ``theta`` and its round-off floor: ``|L - L_float32|`` under

@@ -220,11 +220,14 @@ def sharpness(
             masked, which every geometry here keeps exact (element-wise parts are
             diagonal, pair blocks are per head).
 
-    Half-precision (``bfloat16``/``float16``) models are measured in float32: a
+    Half-precision (``bfloat16``/``float16``) models are perturbed in float32: a
     relative perturbation of ``rho`` spread over all weights is far below their
-    resolution and would round away (sharpness exactly 0). The perturbation and the
-    forward/backward then run on float32 copies of the weights (the model itself is
-    not touched); pass ``autocast_dtype`` to run the matrix products in half precision.
+    resolution and would round away (sharpness exactly 0). The modules that own
+    perturbed parameters compute in float32, on the weights read in float32 where used,
+    the rest of the model in its own precision (``settings["precision"]``); a bfloat16
+    model's straight steps keep Auto-PGD's gradient in bfloat16
+    (``settings["gradient"]``). The model itself is not touched; pass
+    ``autocast_dtype`` to run the matrix products in half precision.
 
     Batch ``i`` draws its random start or directions from its own generator (seeded
     with ``seed`` for the first batch and with a mix of ``seed`` and ``i`` after), so a
