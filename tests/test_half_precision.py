@@ -197,21 +197,27 @@ def test_a_float32_copy_changed_in_place_inside_its_module_is_refused():
 
 
 @pytest.mark.parametrize(
-    ("measure", "rho", "float32", "half"),
-    [("adaptive", 1.0, 3, 1), ("adaptive-linf", 0.2, 3, 1), ("geodesic-inv", 2.0, 4, 0)],
+    ("measure", "rho", "dtype", "float32", "half"),
+    [
+        ("adaptive", 1.0, torch.bfloat16, 3, 1),
+        ("adaptive-linf", 0.2, torch.bfloat16, 3, 1),
+        ("geodesic-inv", 2.0, torch.bfloat16, 4, 0),
+        ("adaptive", 1.0, torch.float16, 3, 1),
+    ],
 )
-def test_vectors_alive_at_each_evaluation_of_a_bfloat16_model(measure, rho, float32, half):
-    """A straight step keeps the gradient in bfloat16, as the model's training step
-    does, in a buffer of its own, and the iterate in the float32 buffer of its point:
-    at most three float32 vectors of the perturbed beside it (``xi``, its previous and
-    best values), where the point and a float32 gradient sharing one buffer made four.
-    A geodesic step pulls the gradient back in float32: four float32 vectors."""
+def test_vectors_alive_at_each_evaluation_of_a_half_model(measure, rho, dtype, float32, half):
+    """A straight step keeps the gradient in bfloat16, as wide as the model's training
+    step's (a float16 model's too: bfloat16 has float32's range), in a buffer of its
+    own, and the iterate in the float32 buffer of its point: at most three float32
+    vectors of the perturbed beside it (``xi``, its previous and best values), where the
+    point and a float32 gradient sharing one buffer made four. A geodesic step pulls
+    the gradient back in float32: four float32 vectors."""
     import gc
 
     from hf_zoo import logits_of
 
     model, inputs, _ = build("llama")
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
 
     def loss(m, batch):  # in float32: values that bfloat16 would round alike differ
         logits = logits_of(m(**batch)).float()
@@ -235,9 +241,10 @@ def test_vectors_alive_at_each_evaluation_of_a_bfloat16_model(measure, rho, floa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", geosharp.PrecisionWarning)
-        geosharp.sharpness(
+        result = geosharp.sharpness(
             model, [inputs], loss, measure, rho, parameters=attention, callback=census,
             estimator=geosharp.WorstCase(n_iters=12),
         )  # fmt: skip
     assert max(c[torch.float32] for c in counts) == float32, counts
     assert max(c[torch.bfloat16] for c in counts) == half, counts
+    assert result.settings["gradient"] == ("bfloat16" if half else "float32")

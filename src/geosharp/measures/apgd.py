@@ -23,10 +23,10 @@ step's own), the perturbation ``xi`` and its previous and best values; nothing s
 is kept from one step to the next either (a retraction's ``h x h`` matrices would pin
 the C heap under the next step's block temporaries). On the host the best value is
 the iterate's own buffer while it is the best (kept from recycling until a better one
-replaces it): no copy on an improving step. A bfloat16 model's straight step keeps
-its gradient in bfloat16, as the model's training step does, and the iterate in its
-point's buffer instead (``grad_dtype``, :func:`gradient_dtype`): the same three
-float32 vectors beside a gradient half as wide.
+replaces it): no copy on an improving step. A half-precision model's straight step
+keeps its gradient in bfloat16, as wide as the model's training step's, and the
+iterate in its point's buffer instead (``grad_dtype``, :func:`gradient_dtype`): the
+same three float32 vectors beside a gradient half as wide.
 
 The best point's gradient is not kept: a restart that goes back to a best point other
 than the current one evaluates it again, and that evaluation is the next iteration's
@@ -259,24 +259,28 @@ def gradient_dtype(
     grad_dtype: torch.dtype | None,
     keep_best_gradient: bool = False,
 ) -> torch.dtype:
-    """The dtype :func:`auto_pgd` keeps the gradient in, on tangents of ``dtype``:
-    ``grad_dtype`` where narrower, of float32's range, on a straight element-wise step
+    """The dtype :func:`auto_pgd` keeps the gradient in, on tangents of ``dtype``: one
+    as wide as ``grad_dtype`` where that is narrower, on a straight element-wise step
     (:attr:`Geometry.holds_point <geosharp.geometry.Geometry.holds_point>`), else
-    ``dtype`` (float16's range, to 65504, could overflow a gradient).
+    ``dtype``. Of float32's range: bfloat16 for float16 (whose range, to 65504, could
+    overflow a gradient, and whose normal numbers end at 6e-5).
 
     >>> from geosharp.geometry import Geometry
     >>> gradient_dtype(Geometry.named("adaptive"), torch.float32, torch.bfloat16)
     torch.bfloat16
     >>> gradient_dtype(Geometry.named("adaptive"), torch.float32, torch.float16)
-    torch.float32
+    torch.bfloat16
     >>> gradient_dtype(Geometry.named("geodesic"), torch.float32, torch.bfloat16)
     torch.float32
     """
     if grad_dtype is None or not geometry.holds_point or keep_best_gradient:
         return dtype
     narrow = torch.finfo(grad_dtype)
-    narrower = narrow.bits < torch.finfo(dtype).bits and narrow.max > 1e38
-    return grad_dtype if narrower else dtype
+    if narrow.bits >= torch.finfo(dtype).bits:
+        return dtype
+    if narrow.max < torch.finfo(torch.float32).max / 2:  # float16: its width, float32's range
+        return torch.bfloat16 if narrow.bits == 16 else dtype
+    return grad_dtype
 
 
 class Iterate:
@@ -320,13 +324,13 @@ def auto_pgd(
     replaces the point); where it raises :class:`PointOverwritten`, the point is formed
     again and evaluated with separate buffers from then on.
 
-    ``grad_dtype`` narrower than the space's and of float32's range (a bfloat16 model's,
-    whose training step's gradient it is), on a straight element-wise step
-    (:func:`gradient_dtype`): the gradient is kept in it, in a buffer of
-    its own, and the iterate in the buffer of its point ``theta + xi``, where the
-    forward reads it and the step reads it back (``xi`` to the point's round-off): the
-    same three vectors beside a gradient of that width (the point and the gradient
-    otherwise share a vector of the space's width). The gradient only steers the
+    ``grad_dtype`` narrower than the space's (a half-precision model's, whose training
+    step's gradient it is), on a straight element-wise step: the gradient is kept in
+    that width (:func:`gradient_dtype`: bfloat16 for float16, of float32's range), in
+    a buffer of its own, and the iterate in the buffer of its point ``theta + xi``,
+    where the forward reads it and the step reads it back (``xi`` to the point's
+    round-off): the same three vectors beside a gradient of that width (the point and
+    the gradient otherwise share a vector of the space's width). The gradient only steers the
     search; every value is the loss at a point of the ball.
 
     ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``

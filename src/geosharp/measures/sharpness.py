@@ -224,8 +224,8 @@ def sharpness(
     relative perturbation of ``rho`` spread over all weights is far below their
     resolution and would round away (sharpness exactly 0). The modules that own
     perturbed parameters compute in float32, on the weights read in float32 where used,
-    the rest of the model in its own precision (``settings["precision"]``); a bfloat16
-    model's straight steps keep Auto-PGD's gradient in bfloat16
+    the rest of the model in its own precision (``settings["precision"]``); their
+    straight steps keep Auto-PGD's gradient in bfloat16
     (``settings["gradient"]``). The model itself is not touched; pass
     ``autocast_dtype`` to run the matrix products in half precision.
 
