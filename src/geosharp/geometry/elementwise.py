@@ -301,19 +301,19 @@ class ElementwiseSpace:
 
     # -- the straight step with the iterate held as its point (a narrower gradient) ------
     #
-    # For a half-precision model the gradient is kept in the model's precision and the
+    # For a half-precision model the gradient is kept in a half-width dtype and the
     # iterate ``x`` in the buffer of its point ``theta + x``: the forward reads it there,
-    # and the next step reads it back as ``x`` (``point=True``), run by run, exactly
-    # where ``|x| <= |theta|`` (Sterbenz), else to the point's round-off.
+    # and the next step reads it back as ``x``, run by run, exactly where
+    # ``|x| <= |theta|`` (Sterbenz), else to the point's round-off.
 
     def _theta_run(self, run: _Run) -> Tensor:
         thetas = [theta for theta, _, _ in run.pieces]
         return thetas[0] if len(thetas) == 1 else torch.cat(thetas)
 
     def held_direction_(
-        self, grad: Tensor, x: Tensor, others: Sequence[Tensor], point: bool
+        self, grad: Tensor, x: Tensor, others: Sequence[Tensor]
     ) -> tuple[Tensor, list[Tensor]]:
-        """``x <- x - theta`` first where ``point``; then ``sum (c grad)^2`` and
+        """``x <- x - theta`` first (``x`` held its point); then ``sum (c grad)^2`` and
         ``<y, grad>`` for each ``y`` of ``(x, *others)``, in one pass, run by run, in the
         tangents' dtype (0-d float64 sums of this process's entries). ``grad`` (in a
         narrower dtype) is read, not written: :meth:`held_combine_` applies ``c^2``.
@@ -322,8 +322,7 @@ class ElementwiseSpace:
         partial = torch.zeros((len(self.runs), 1 + len(ys)), dtype=self.dtype, device=x.device)
         for i, run in enumerate(self.runs):
             s, e, row = run.start, run.end, partial[i]
-            if point:
-                x[s:e].sub_(self._theta_run(run))
+            x[s:e].sub_(self._theta_run(run))
             g = grad[s:e].to(self.dtype)
             for j, y in enumerate(ys, 1):
                 torch.dot(y[s:e], g, out=row[j])
@@ -366,7 +365,6 @@ class ElementwiseSpace:
         self,
         grad: Tensor,
         x: Tensor,
-        point: bool,
         xp: Tensor | None,
         out: Tensor,
         eta: float,
@@ -374,14 +372,13 @@ class ElementwiseSpace:
         rho: float,
     ) -> Tensor:
         """The L-infinity step of Auto-PGD with the iterate held as its point, run by
-        run: ``x <- x - theta`` first where ``point``; ``z = clip(x + eta c sign(grad))``
+        run: ``x <- x - theta`` first (``x`` held its point); ``z = clip(x + eta c sign(grad))``
         into ``|z_j| <= rho c_j``, with momentum (``a != 1``) ``z <- clip(a z + 2(1 - a) x
         - (1 - a) xp)``; ``out <- theta + z`` (``out`` may be ``xp``'s buffer)."""
         for run in self.runs:
             s, e = run.start, run.end
             theta = self._theta_run(run)
-            if point:
-                x[s:e].sub_(theta)
+            x[s:e].sub_(theta)
             c = self._c(run)
             z = grad[s:e].to(self.dtype).sign_()
             if c is not None:

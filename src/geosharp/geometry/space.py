@@ -157,13 +157,10 @@ class Geometry:
 class Retraction:
     """What :meth:`PerturbationSpace.retr_` computed that the pullback reuses: the
     tangent ``xi`` and, per pair block, the state's saved ``h x h`` matrices (the ``xi``
-    blocks are read again rather than kept through the forward and backward);
-    ``point``: the buffer ``xi`` holds the point ``theta + xi`` instead
-    (:attr:`PerturbationSpace.holds_point`)."""
+    blocks are read again rather than kept through the forward and backward)."""
 
     xi: Tensor
     saved: list[object]
-    point: bool = False
 
 
 class PerturbationSpace:
@@ -410,13 +407,14 @@ class PerturbationSpace:
         return self.hold_(x.clone(), point=False)
 
     def held_direction_(
-        self, step: Retraction, grad: Tensor, *others: Tensor
+        self, x: Tensor, grad: Tensor, *others: Tensor
     ) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`ascent_` for :attr:`holds_point`: ``step.xi`` read back from its point
-        first where ``step.point``; ``grad`` is read, never written (returns
-        ``||d||^2``, ``<xi, grad>`` and ``<y, grad>`` for each ``y`` of ``others``)."""
+        """:meth:`ascent_` for :attr:`holds_point`, ``grad`` the gradient at the point
+        that ``x`` holds: ``x`` read back as the tangent first; ``grad`` is read, never
+        written (returns ``||d||^2``, ``<x, grad>`` and ``<y, grad>`` for each ``y`` of
+        ``others``)."""
         with torch.no_grad():
-            sq, dots = self.elementwise.held_direction_(grad, step.xi, others, step.point)
+            sq, dots = self.elementwise.held_direction_(grad, x, others)
             sums = self._sum(torch.stack([sq, *dots]))
         return sums[0], list(sums[1:])
 
@@ -436,12 +434,13 @@ class PerturbationSpace:
             return self.elementwise.held_combine_(grad, kd, x, kx, xp, kxp, out)
 
     def held_box_(
-        self, step: Retraction, grad: Tensor, xp: Tensor | None, out: Tensor, eta, a, rho
+        self, x: Tensor, grad: Tensor, xp: Tensor | None, out: Tensor, eta, a, rho
     ) -> Tensor:
-        """Auto-PGD's L-infinity step for :attr:`holds_point` (``out`` may be ``xp``'s
-        buffer): the next iterate, held as its point."""
+        """Auto-PGD's L-infinity step for :attr:`holds_point` from the point that ``x``
+        holds (read back as the tangent; ``out`` may be ``xp``'s buffer): the next
+        iterate, held as its point."""
         with torch.no_grad():
-            return self.elementwise.held_box_(grad, step.xi, step.point, xp, out, eta, a, rho)
+            return self.elementwise.held_box_(grad, x, xp, out, eta, a, rho)
 
     @property
     def fused_step(self) -> bool:

@@ -172,7 +172,7 @@ class _L2Ball:
         space, rho, xi = self.space, self.rho, step.xi
         same = xi_prev is xi
         if self.held:
-            dd, dots = space.held_direction_(step, grad, *(() if same else (xi_prev,)))
+            dd, dots = space.held_direction_(xi, grad, *(() if same else (xi_prev,)))
             xd, pd = dots[0], dots[-1]
         elif same:
             dd, (xd,) = space.ascent_(step, grad, xi)
@@ -203,14 +203,14 @@ class _L2Ball:
         kp = None if gamma is None or same else (s2 * gamma).to(xi.dtype)
         if gamma is not None and same:  # xi_prev is xi: fold it in
             kx = (s2 * (alpha + gamma)).to(xi.dtype)
+        xp = None if same else xi_prev
         if self.held:
-            space.held_combine_(grad, kd, xi, kx, None if same else xi_prev, kp, point)
-            self.xx, self.pp, self.xp = nn, self.xx, new_x
-            return point, True
-        fuse = point is not None and space.fused_step
-        space.combine_(grad, kd, xi, kx, None if same else xi_prev, kp, point if fuse else None)
+            out, written = space.held_combine_(grad, kd, xi, kx, xp, kp, point), True
+        else:
+            written = point is not None and space.fused_step
+            out = space.combine_(grad, kd, xi, kx, xp, kp, point if written else None)
         self.xx, self.pp, self.xp = nn, self.xx, new_x
-        return grad, fuse
+        return out, written
 
     def restart(self, norm_sq: Tensor) -> None:
         self.xx = self.pp = self.xp = norm_sq
@@ -239,7 +239,7 @@ class _Box:
     ) -> tuple[Tensor, bool]:
         if self.held:
             xp = None if a == 1.0 else xi_prev
-            return self.space.held_box_(step, grad, xp, point, eta, a, self.rho), True
+            return self.space.held_box_(step.xi, grad, xp, point, eta, a, self.rho), True
         xi = step.xi
         self.space.pullback_(step, grad)
         z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
@@ -371,7 +371,7 @@ def auto_pgd(
             notify("evaluate", i, x, True)
             value, grad = loss_grad(x, gradient)
             notify("evaluated", i, x, True)
-            return value, grad, Retraction(x, [], point=True)
+            return value, grad, Retraction(x, [])  # x holds its point
         written = point is not None
         point = buffers.take() if point is None else point
         step = space.retr_(x, point, written=written)

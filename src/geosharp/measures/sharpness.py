@@ -279,7 +279,9 @@ def sharpness(
         mixed.active() if mixed is not None else contextlib.nullcontext(),
         steps,  # the bar is cleared even when a batch raises
     ):
-        m = _measurement(model, loss_fn, target, geo, rho, seed, mixed, sharded, autocast_dtype)
+        m = _measurement(
+            model, loss_fn, target, geo, rho, seed, mixed, sharded, autocast_dtype, half
+        )
         settings["checkpointing"] = checkpointing_kept(model, lambda: m.evaluate(m.theta, first))
         m.mask = None if entries is None else entry_mask(m.space, target.layout, entries)
         m.steps = steps if steps.enabled else None
@@ -407,7 +409,7 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
 
 
 def _measurement(
-    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, autocast_dtype
+    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, autocast_dtype, half
 ) -> Measurement:
     """The :class:`Measurement` of ``target``: its space, and its loss on the model in
     the precision asked for (a half-precision model's weights read in float32 where it
@@ -428,8 +430,7 @@ def _measurement(
             if mixed is None:
                 base = float32_copies(model, target.named)
         evaluate = functional_loss(model, loss_fn, base)
-    # the rest of a half-precision model computes in its own precision
-    half = mixed.half if mixed is not None else getattr(sharded, "half", None)
+    # the rest of a half-precision model computes in its own precision, ``half``
     floor_dtype = half or target.dtype
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
