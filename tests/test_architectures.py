@@ -197,7 +197,8 @@ ROTARY = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, ["query-key", "value-output"]),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8}, ["query-key", "value-output"]),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}, ["query-key", "value-output"]),
-    # q_norm / k_norm normalise queries and keys: no query/key symmetry is left.
+    # q_norm / k_norm normalise queries and keys with a learned weight: only scalings
+    # of the query/key pair are left, which the element-wise geometry respects.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, ["value-output"]),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, ["value-output"]),
     # clip_qkv clamps q, k and v element-wise: no symmetry at all.
@@ -212,12 +213,21 @@ ROTARY = {
 }
 
 
+def _learned_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Query/key norms as training leaves them: weights no longer all one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
 @pytest.mark.parametrize("name", list(ROTARY))
 def test_rotary_family(name):
     config_cls, model_cls, extra, kinds = ROTARY[name]
     config = getattr(tf, config_cls)(**{**LLAMA, **extra})
     torch.manual_seed(0)
-    model = _ready(getattr(tf, model_cls)(config))
+    model = _learned_norms(_ready(getattr(tf, model_cls)(config)))
     symmetries = find_symmetries(model)
     found = _pairs_of(symmetries, "model.layers.0.self_attn")
     assert [kind for kind, _, _ in found] == kinds
@@ -225,6 +235,26 @@ def test_rotary_family(name):
         assert group == ("rotary" if kind == "query-key" else "GL")
     check = check_symmetries(model, {"input_ids": _ids(0)}, cond=COND)
     assert check.ok if kinds else check.status == "nothing to check"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_query_key_norms_at_their_initial_weight_keep_a_rotation_per_plane(name):
+    """Norms whose weight is all one normalise without a weight: the query/key pair
+    keeps a rotation on each rotary plane (rotary and orthogonal); a learned weight
+    leaves only scalings (``test_rotary_family``), which the drop says exactly."""
+    config_cls, model_cls, extra, _ = ROTARY[name]
+    config = getattr(tf, config_cls)(**{**LLAMA, **extra})
+    torch.manual_seed(0)
+    model = _ready(getattr(tf, model_cls)(config))
+    found = _pairs_of(find_symmetries(model), "model.layers.0.self_attn")
+    assert [(kind, group) for kind, group, _ in found] == [
+        ("query-key", "rotary-orthogonal"), ("value-output", "GL"),
+    ]  # fmt: skip
+    # their norms compute in float32: the logits move by float32's round-off
+    assert check_symmetries(model, {"input_ids": _ids(0)}, cond=COND, tolerance=1e-6).ok
+    learned = find_symmetries(_learned_norms(model))
+    (drop,) = [d for d in learned.dropped if d.module == "model.layers.0.self_attn"]
+    assert drop.exact and "not a symmetry of rotary(8) or rotary-orthogonal(8)" in drop.reason
 
 
 def test_llama_mqa_stacks_all_query_heads():

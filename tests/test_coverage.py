@@ -144,7 +144,7 @@ def test_readme_counts_are_the_tables():
     assert int(counts["... with both pairs of every head"]) == len(both)
     (label,) = [k for k in counts if k.startswith("... with the pairs that are not")]
     assert int(counts[label]) == len(partial)
-    named = {"Qwen3": "qwen3", "OLMo2": "olmo2", "Gemma3": "gemma3", "Swin-v2": "swinv2",
+    named = {"Qwen3": "qwen3", "OLMo2": "olmo2", "Gemma3": "gemma3",
              "OLMo `clip_qkv`": "olmo-clip-qkv"}  # fmt: skip
     assert {named[n.strip()] for n in label.split("(")[1].rstrip(")").split(",")} == {
         f.name for f in partial

@@ -9,10 +9,15 @@ dimension ``h`` and the basis
 .. math:: A_j = e_j e_j^T + e_{j'} e_{j'}^T, \qquad B_j = e_{j'} e_j^T - e_j e_{j'}^T,
           \qquad j' = j + h/2.
 
+Queries and keys normalised without a weight keep the orthogonal group, whose algebra
+is the skew-symmetric matrices (dimension ``h(h-1)/2``), and with rotary embeddings a
+rotation per plane (the ``B_j`` alone).
+
 The metrics are the same (they are ``GL(h)``-invariant, hence ``K``-invariant), and so
 are the geodesics; only the vertical space shrinks to ``{V(L) = (G L, -H L^T): L in k}``.
 The g-orthogonal projection onto the ``K``-horizontal space is ``xi - V(L)`` with
-``L = sum_a c_a E_a`` solving the ``dim k`` linear equations
+``L = sum_a c_a E_a`` solving the ``dim k`` linear equations (by a Cholesky factor of
+their matrix, or, for a large algebra, by conjugate gradients on ``h x h`` products)
 
 .. math:: \sum_b g(V(E_a), V(E_b))\, c_b = g(\xi, V(E_a)) = \operatorname{tr}(R(\xi) E_a),
 
@@ -64,7 +69,8 @@ class SubgroupState(PairState):
     rows: Tensor  # (k, 2) basis of the Lie algebra
     cols: Tensor
     signs: Tensor
-    chol: Tensor  # (B, k, k) Cholesky factor of g(V(E_a), V(E_b))
+    chol: Tensor | None  # (B, k, k) Cholesky factor of g(V(E_a), V(E_b)); None: solved by CG
+    terms: tuple = ()  # ((X_1, Y_1), (X_2, Y_2)) of R(V(L)), for the solve by CG
 
     @property
     def h(self) -> int:
@@ -119,21 +125,65 @@ class SubgroupState(PairState):
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
         x = (xi[0].to(_F64), xi[1].to(_F64))
         rhs = self._coordinates(self.base.horizontal_residual(x))
+        if self.chol is None:
+            return self._element(_conjugate_gradients(self._gram_times, rhs))
         c = torch.cholesky_solve(rhs.unsqueeze(-1), self.chol).squeeze(-1)
         return self._element(c)
 
+    def _gram_times(self, c: Tensor) -> Tensor:
+        """``M c`` with ``M_ab = g(V(E_a), V(E_b))``, from ``h x h`` products:
+        ``tr(R(V(L)) E_a)``, ``R(V(L)) = X_1 L^T Y_1 + X_2 L^T Y_2``."""
+        Lt = _t(self._element(c))
+        R = sum(X @ Lt @ Y for X, Y in self.terms)
+        return self._coordinates(R)
 
-def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
-    """``M_ab = g(V(E_a), V(E_b)) = tr(R(V(E_b)) E_a)`` for the sparse basis."""
+
+DENSE = 512
+"""An algebra of at most this dimension is solved by the Cholesky factor of its Gram
+matrix (``dim k`` squared entries per head), a larger one (``O(h)`` for ``h > 32``) by
+conjugate gradients."""
+
+
+def _residual_terms(state: PairState) -> tuple | None:
+    """``((X_1, Y_1), (X_2, Y_2))`` with ``R(V(L)) = X_1 L^T Y_1 + X_2 L^T Y_2`` for the
+    metrics whose residual is known in closed form (``None``: another metric)."""
     G, H = state.G64, state.H64
     Gg = state._sum(_t(G) @ G)
     Hg = state._sum(_t(H) @ H)
     if isinstance(state, InvState):
-        terms = ((state.P_inv, Gg), (Hg, state.Q_inv))
-    elif isinstance(state, MixState):
-        terms = ((state.Q, Gg), (Hg, state.P))
-    else:
+        return (state.P_inv, Gg), (Hg, state.Q_inv)
+    if isinstance(state, MixState):
+        return (state.Q, Gg), (Hg, state.P)
+    return None
+
+
+def _conjugate_gradients(times, b: Tensor, rtol: float = 1e-13) -> Tensor:
+    """``x`` with ``M x = b`` for a batch of SPD ``M`` given by ``times(x) = M x``
+    (``(B, k)``), by conjugate gradients to a residual of ``rtol |b|``."""
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = r.clone()
+    rr = (r * r).sum(-1, keepdim=True)
+    target = (rtol**2) * rr.clamp_min(1e-300)
+    for _ in range(4 * b.shape[-1] + 20):
+        if bool((rr <= target).all()):
+            break
+        Mp = times(p)
+        alpha = rr / (p * Mp).sum(-1, keepdim=True).clamp_min(1e-300)
+        x = x + alpha * p
+        r = r - alpha * Mp
+        rr_new = (r * r).sum(-1, keepdim=True)
+        p = r + (rr_new / rr.clamp_min(1e-300)) * p
+        rr = rr_new
+    return x
+
+
+def _vertical_gram(state: PairState, rows: Tensor, cols: Tensor, signs: Tensor) -> Tensor:
+    """``M_ab = g(V(E_a), V(E_b)) = tr(R(V(E_b)) E_a)`` for the sparse basis."""
+    terms = _residual_terms(state)
+    if terms is None:
         return _vertical_gram_generic(state, rows, cols, signs)
+    Gg = terms[0][1]
     # tr(X E_b^T Y E_a), E_b = sum_s sb_s e_{p_s} e_{q_s}^T, E_a = sum_t sa_t e_{u_t} e_{v_t}^T:
     # sum_{s,t} sb_s sa_t X[v_t, q_s] Y[p_s, u_t].
     k = rows.shape[0]
@@ -176,12 +226,15 @@ def restrict_state(state: PairState, group: str) -> PairState:
     rows, cols, signs = lie_algebra_basis(group, h)
     device = state.G.device
     rows, cols, signs = rows.to(device), cols.to(device), signs.to(device)
-    M = _vertical_gram(state, rows, cols, signs)
-    chol, info = torch.linalg.cholesky_ex(M)
-    if bool((info != 0).any()):
-        raise torch.linalg.LinAlgError(
-            f"the vertical space of a {group!r} pair is degenerate: a pair is rank deficient"
-        )
+    terms = _residual_terms(state) if len(rows) > DENSE else None
+    chol = None
+    if terms is None:
+        M = _vertical_gram(state, rows, cols, signs)
+        chol, info = torch.linalg.cholesky_ex(M)
+        if bool((info != 0).any()):
+            raise torch.linalg.LinAlgError(
+                f"the vertical space of a {group!r} pair is degenerate: a pair is rank deficient"
+            )
     return SubgroupState(
         state.G,
         state.H,
@@ -196,4 +249,5 @@ def restrict_state(state: PairState, group: str) -> PairState:
         cols=cols,
         signs=signs,
         chol=chol,
+        terms=terms or (),
     )

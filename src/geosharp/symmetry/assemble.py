@@ -1,15 +1,23 @@
-r"""From a traced forward pass (:mod:`geosharp.symmetry.trace`) to ``GL`` pairs.
+r"""From a traced forward pass (:mod:`geosharp.symmetry.trace`) to pairs.
 
-**Query/key.** Every attention *core* contracts two projections over their features,
-slice by slice (one slice per head, per batch element). The columns of one slice of
-one operand are a *node*: the features it holds, column by column. A node and the node
-it meets are the two sides of one bilinear form, so the symmetry ``(G, H) -> (G A,
-H A^{-T})`` must act on both with one ``A``: nodes are joined into components by the
-cores they meet in (grouped-query heads: one key node meets several query nodes;
-DeBERTa: queries and keys also meet the other side's position projections), and each
-component, two-coloured, is one pair, ``G`` stacking the rows of one side's nodes and
-``H`` the other's. A node's rows are its projection's weight rows (one per input), its
-bias and any parameter added to it later.
+**Nodes.** A core contracts two operands over their features, slice by slice (one slice
+per head, per batch element). The columns of one slice of one operand are a *node*: per
+column, the features it holds, one of each projection summed there (a weight and the
+adapter added to it), the column rotated with it (rotary embeddings), and the rows of
+parameters added to it (a bias, the rows of a table looked up, memory tokens). Columns
+whose features come from different projections on either side (multi-head latent
+attention: the keys' rotary part from another projection) are parts of their own.
+
+**Query/key.** A node and the node it meets are the two sides of one bilinear form, so
+the symmetry ``(G, H) -> (G A, H A^{-T})`` must act on both with one ``A``: nodes are
+joined into components by the cores they meet in (grouped-query heads: one key node
+meets several query nodes; DeBERTa: queries and keys also meet the other side's
+position projections; a block shared across depth: its nodes of every call hold the
+same projection), and each component, two-coloured, is one pair, ``G`` stacking the
+rows of one side's nodes and ``H`` the other's. A node's rows are its projections'
+weight rows (one per input), their biases and any parameter added to it later. A core
+whose scores mix no values (a scan, a mixture-of-experts combine) gives a pair of kind
+``"product"`` the same way.
 
 **Value/output.** Scores mix features over tokens, slice by slice; the features mixed
 in one slice (a value head) stay in their columns until a weight consumes them (the
@@ -19,15 +27,15 @@ head).
 
 **Groups.** A column whose element is its own feature plus a partner feature of the
 same node is rotated with it (rotary position embeddings): those columns form planes,
-and the pair's symmetry is complex scalars on the planes ("rotary", "rotary-interleaved")
-times ``GL`` on the columns left alone (partial rotary), split into two pairs.
+and the pair's symmetry is complex scalars on the planes ("rotary",
+"rotary-interleaved") times ``GL`` on the columns left alone (partial rotary), split
+into two pairs.
 
-**What is not a symmetry.** Features that pass through anything but data movement,
-sums and scalings (a normalisation, a clamp) before their core are *tainted*: their
-pair does not exist, and the reason is kept. A pair whose features are tainted
-anywhere, or whose layout is not one of the above, is dropped with its reason; nothing
-is guessed. Every pair kept is then verified numerically
-(:mod:`geosharp.symmetry.verify`).
+**Candidates.** Features that went through an op that is not linear before or after
+their core (a normalisation, an activation, a clamp) make their pair a candidate that
+its verification decides, group by group (:attr:`Assembly.tainted`); features that
+lost their ids on the way (a sum with an activation) leave no pair, with the reason.
+Every pair kept is then verified numerically (:mod:`geosharp.symmetry.verify`).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .pairs import Block, Dropped, PairSpec
-from .trace import PARAM_BASE, Consumption, Core, Mixing, Side, Trace
+from .trace import PARAM_BASE, Consumption, Core, Mixing, Side, Taint, Trace
 
 __all__ = ["Assembly", "assemble"]
 
@@ -57,18 +65,24 @@ class _NotPair(Exception):
 
 @dataclass
 class _Node:
-    """The columns of one operand slice: ``own[c]`` the feature of column ``c``,
-    ``partner[c]`` the column rotated with it (-1: none), ``biases`` the positions of
-    parameters added, per parameter index, per column."""
+    """The columns of one operand slice: ``own[k, c]`` the feature of projection
+    ``sources[k]`` in column ``c``, ``partner[c]`` the column rotated with it (-1: none),
+    ``biases`` the positions ``(rows, columns)`` of parameters added, per parameter
+    index; ``taint``: the op that is not linear its features went through."""
 
     own: Tensor
-    source: int
+    sources: tuple[int, ...]
     partner: tuple[int, ...]
     biases: dict[int, Tensor] = field(default_factory=dict)
+    taint: Taint | None = None
     key: bytes = b""
 
     def __post_init__(self) -> None:
         self.key = self.own.numpy().tobytes()
+
+    @property
+    def features(self) -> Tensor:
+        return self.own.reshape(-1)
 
 
 @dataclass
@@ -81,7 +95,9 @@ class _ParamNode:
     base: int
     rows: Tensor
     cols: Tensor
+    source: int = -1  # the projection it makes: its outputs are terms of the scores
     partner = None
+    taint = None
     biases: dict = field(default_factory=dict)
 
     @property
@@ -92,11 +108,16 @@ class _ParamNode:
 @dataclass
 class Assembly:
     """Pairs found in a trace, the attention modules (by the module that computed their
-    scores) and, per attention module, the pairs dropped with their reasons; ``ran``:
-    the modules whose forward ran, ``opaque``: ``(module, op)`` where features entered
-    an op the trace cannot look into; ``uses``: per parameter, the modules that used it;
-    ``unknown``: ``(module, reason, params)`` per op the trace cannot look into, with
-    the parameters whose projection features entered it."""
+    scores) and, per module, the pairs dropped with their reasons; ``ran``: the modules
+    whose forward ran, ``opaque``: ``(module, op)`` where features entered an op the
+    trace cannot look into; ``uses``: per parameter, the modules that used it;
+    ``unknown``: ``(module, reason, params, features, matrices)`` per op whose effect
+    the trace cannot read, with the parameters whose projection features
+    (``features``: their ids, as runs) or weight matrices (``matrices``) entered it.
+    ``tainted``: per pair name, why its features are not linear, and whether that is
+    certain (the pair is a candidate whose group verification finds, unless no
+    continuous symmetry survives their ops, the third); ``features``: per pair name,
+    the runs of feature ids its nodes hold."""
 
     pairs: list[PairSpec]
     attention: list[str]
@@ -104,13 +125,16 @@ class Assembly:
     ran: set[str] = field(default_factory=set)
     opaque: list[tuple[str, str]] = field(default_factory=list)
     uses: dict[str, set[str]] = field(default_factory=dict)
-    unknown: list[tuple[str, str, frozenset[str]]] = field(default_factory=list)
+    unknown: list[tuple[str, str, frozenset[str], Tensor, frozenset[str]]] = field(
+        default_factory=list
+    )
+    tainted: dict[str, tuple[str, bool, bool]] = field(default_factory=dict)
+    features: dict[str, Tensor] = field(default_factory=dict)
 
 
 def assemble(trace: Trace, names_of_modules: list[str]) -> Assembly:
     """Turn ``trace``'s events into pairs (see the module docstring)."""
-    builder = _Builder(trace, names_of_modules)
-    return builder.run()
+    return _Builder(trace, names_of_modules).run()
 
 
 class _Builder:
@@ -119,166 +143,249 @@ class _Builder:
         self.modules = set(modules)
         self.bases = torch.tensor([s.base for s in trace.sources] or [1], dtype=_I64)
         self.taints = _TaintIndex(trace.taints)
+        self.attention_cores = frozenset().union(*(m.cores for m in trace.mixings if m.by_scores))
 
     # -- nodes -----------------------------------------------------------------------------
 
     def source_of(self, ids: Tensor) -> Tensor:
         return torch.searchsorted(self.bases, ids.contiguous(), right=True) - 1
 
-    def nodes(self, side: Side, what: str) -> list[_Node]:
-        """The distinct nodes of an operand, in slice order."""
-        if side.taint is not None:
-            raise _NotPair(f"{what} {_reason(side.taint.reason)}", exact=side.taint.certain)
-        ids = side.ids
-        own = ids[..., 0]
-        if bool(((own <= 0) | (own >= PARAM_BASE)).any()):
-            raise _NotPair(f"{what} have a column that holds no projection feature")
-        _, first = _unique_rows(own)
-        return self._nodes(ids[first])
+    def column_groups(self, sides: list[Side]) -> list[Tensor]:
+        """The columns of the sides' slices grouped by the projections they hold on every
+        side (in column order)."""
+        signature = []
+        for side in sides:
+            ids = side.ids[0]  # (tokens, columns, slots)
+            feats = (ids > 0) & (ids < PARAM_BASE)
+            src = torch.where(feats, self.source_of(ids), torch.full_like(ids, -1))
+            signature.append([tuple(sorted(set(src[:, c].reshape(-1).tolist()) - {-1}))
+                              for c in range(ids.shape[1])])  # fmt: skip
+        keys = list(zip(*signature))
+        groups: dict[tuple, list[int]] = {}
+        for c, key in enumerate(keys):
+            groups.setdefault(key, []).append(c)
+        return [torch.tensor(cols, dtype=_I64) for cols in groups.values()]
 
-    def _nodes(self, ids: Tensor) -> list[_Node]:
-        """The nodes of distinct slices ``ids`` (``(n, columns, slots)``), all at once."""
-        own = ids[..., 0].contiguous()
-        n, columns = own.shape
-        src = self.source_of(own)
-        if not bool((src == src[:, :1]).all()):
+    def slice_nodes(self, side: Side, cols: Tensor, what: str) -> list[_Node]:
+        """The node of every slice of ``side`` on columns ``cols`` (slices holding the
+        same features share one node)."""
+        if side.ids is None:
+            taint = side.taint
+            raise _NotPair(f"{what} {_reason(taint.reason)}", exact=taint.certain)
+        ids = side.ids[:, :, cols, :]
+        feats = (ids > 0) & (ids < PARAM_BASE)
+        token_has = feats[..., 0]  # (slices, tokens, columns): slot 0 holds a feature
+        full = token_has.all(-1)
+        empty = ~feats.any(-1).any(-1)
+        if bool((~full & ~empty).any()) or not bool(full.any(1).all()):
+            raise _NotPair(f"{what} have a column that holds no projection feature")
+        first = full.to(torch.int8).argmax(1)  # a token with features, per slice
+        reference = torch.where(feats, ids, torch.zeros_like(ids))
+        ref = reference[torch.arange(len(ids)), first]  # (slices, columns, slots)
+        same = (reference == ref[:, None]) | ~full[..., None, None]
+        if not bool(same.all()):
+            raise _NotPair(f"{what} hold different features at different tokens")
+        unique, inverse = torch.unique(ref.reshape(len(ref), -1), dim=0, return_inverse=True)
+        nodes = []
+        for u in range(len(unique)):
+            members = torch.nonzero(inverse == u).flatten()
+            nodes.append(self.node(ref[members[0]], ids[members], side.taint))
+        return [nodes[i] for i in inverse.tolist()]
+
+    def node(self, ref: Tensor, ids: Tensor, taint: Taint | None) -> _Node:
+        """The node of reference features ``ref[c, s]`` whose slices hold ``ids`` (every
+        slice, token, column and slot: parameter entries among them)."""
+        columns = ref.shape[0]
+        src = torch.where(ref > 0, self.source_of(ref), torch.full_like(ref, -1))
+        order = [int(s) for s in dict.fromkeys(src[:, 0].tolist())]
+        per_column = [set(src[c].tolist()) - {-1} for c in range(columns)]
+        if len({frozenset(p) for p in per_column}) != 1:
             raise _NotPair("a head's columns come from different projections")
-        ordered, order = torch.sort(own, dim=1)
-        if columns > 1 and bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-            raise _NotPair("a head holds one feature in two columns")
-        partner = torch.full((n, columns), -1, dtype=_I64)
-        biases: dict[int, Tensor] = {}  # parameter -> positions (n, columns)
-        for k in range(1, ids.shape[2]):
-            slot = ids[:, :, k].contiguous()
-            nonzero = slot != 0
-            if not bool(nonzero.any()):
-                continue
-            is_param = slot >= PARAM_BASE
-            is_feat = nonzero & ~is_param
-            if bool(is_feat.any()):
-                at = torch.searchsorted(ordered, slot).clamp_max(columns - 1)
-                if not bool((ordered.gather(1, at) == slot)[is_feat].all()):
-                    raise _NotPair("a column mixes features of different heads or projections")
-                cols = order.gather(1, at)
-                if bool((is_feat & (partner >= 0) & (partner != cols)).any()):
-                    raise _NotPair("a column mixes features of different heads or projections")
-                partner = torch.where(is_feat, cols, partner)
-            if bool(is_param.any()):
-                params = (slot[is_param] // PARAM_BASE - 1).unique()
-                if len(params) != 1:
-                    raise _NotPair("parameters are added to different columns of a head")
-                p, positions = int(params[0]), slot % PARAM_BASE
-                if p in biases:
-                    # a bias added before a rotation: on the rotated columns, the entries
-                    # of their partners, rotated along
-                    rotated = partner >= 0
-                    expected = biases[p].gather(1, partner.clamp_min(0))
-                    if not torch.equal(is_param, rotated) or not torch.equal(
-                        positions[rotated], expected[rotated]
-                    ):
-                        raise _NotPair("one parameter is added twice to a head")
-                    continue
-                if not bool(is_param.all()):
-                    raise _NotPair("a parameter is added to some columns of a head only")
-                biases[p] = positions
+        sources = tuple(order + sorted(per_column[0] - set(order)))
+        own = torch.zeros(len(sources), columns, dtype=_I64)
+        partner = torch.full((columns,), -1, dtype=_I64)
+        for k, source in enumerate(sources):
+            own[k], this = _own_and_partner(torch.where(src == source, ref, torch.zeros_like(ref)))
+            if k and not torch.equal(this, partner):
+                raise _NotPair("the projections of a head are rotated differently")
+            partner = this
         rotated = partner >= 0
-        back = partner.clamp_min(0).gather(1, partner.clamp_min(0))
+        back = partner.clamp_min(0)[partner.clamp_min(0)]
         if bool((rotated & (back != torch.arange(columns))).any()):
             raise _NotPair("columns are mixed, but not in rotation planes")
-        partners = [tuple(row) for row in partner.tolist()]
-        sources = src[:, 0].tolist()
-        return [
-            _Node(own[i], sources[i], partners[i], {p: pos[i] for p, pos in biases.items()})
-            for i in range(n)
-        ]
+        biases = self.added(ids, partner, own[0])
+        return _Node(own, sources, tuple(partner.tolist()), biases, taint)
 
-    # -- query/key -------------------------------------------------------------------------
+    def added(self, ids: Tensor, partner: Tensor, own: Tensor) -> dict[int, Tensor]:
+        """Per parameter added to the node's columns, its positions ``(rows, columns)``:
+        one row for a bias; every row of a table looked up or of memory tokens."""
+        entries = ids[ids >= PARAM_BASE]
+        if not entries.numel():
+            return {}
+        out = {}
+        columns = ids.shape[2]
+        where = ids >= PARAM_BASE
+        col_of = torch.arange(columns).view(1, 1, -1, 1).expand(ids.shape)[where]
+        params = ids[where] // PARAM_BASE - 1
+        positions = ids[where] % PARAM_BASE
+        for p in params.unique().tolist():
+            mine = params == p
+            seen = [positions[mine & (col_of == c)].unique() for c in range(columns)]
+            if any(not len(s) for s in seen):
+                raise _NotPair("a parameter is added to some columns of a head only")
+            seen = _own_entries(seen, partner, own)
+            out[p] = self.rows_of(p, seen)
+        return out
+
+    def rows_of(self, p: int, seen: list[Tensor]) -> Tensor:
+        """Positions ``(rows, columns)`` of parameter ``p`` in the node: per column the
+        entries ``seen``, along every axis they vary along (or rows were looked up
+        along) all of the parameter's rows."""
+        shape = self.trace.shapes[p]
+        strides = _contiguous_strides(shape)
+        multi = [_unravel(s, shape) for s in seen]  # each (entries, dims)
+        axes = set(self.trace.lookups.get(self.trace.params[p], set()))
+        for m in multi:
+            axes |= {
+                d for d in range(len(shape)) if len(m) > 1 and bool((m[:, d] != m[0, d]).any())
+            }
+        axes = sorted(axes)
+        if not axes:
+            if any(len(s) != 1 for s in seen):
+                raise _NotPair("one parameter is added twice to a head")
+            return torch.stack([s[:1] for s in seen], 1)
+        grid = torch.cartesian_prod(*[torch.arange(shape[d]) for d in axes]).reshape(-1, len(axes))
+        cols = []
+        for m in multi:
+            base = m[0].clone()
+            full = base.expand(len(grid), -1).clone()
+            full[:, axes] = grid
+            cols.append((full * torch.tensor(strides)).sum(1))
+        return torch.stack(cols, 1)
+
+    # -- the events ------------------------------------------------------------------------
 
     def run(self) -> Assembly:
         pairs: list[PairSpec] = []
         dropped: list[Dropped] = []
         attention: list[str] = []
+        tainted: dict[str, tuple[str, bool, bool]] = {}
+        features: dict[str, Tensor] = {}
         qk = self.query_key()
         vo = self.value_output()  # the modules whose scores mix values: attention
         for module in dict.fromkeys([*qk, *vo]):
             is_attention = module in vo
-            comps_qk = qk.get(module, ([], None))
-            comps_vo = vo.get(module, ([], None))
-            if is_attention and module not in qk:
-                reason = "its scores are not a product of projections the trace can follow"
-                comps_qk = ([], _NotPair(reason))
-            specs_qk, specs_vo = [], []
-            drops = []
-            for kind, (comps, failure), out in (
-                ("query-key", comps_qk, specs_qk),
-                ("value-output", comps_vo, specs_vo),
-            ):
+            results = []
+            for kind, (comps, failure) in self.kinds(module, qk, vo):
                 if failure is not None:
-                    drops.append((kind, failure))
+                    results.append((kind, [], failure))
                     continue
                 try:
-                    out.extend(self.stack(module, kind, comps))
+                    results.append((kind, self.stack(module, kind, comps), None))
                 except _NotPair as err:
-                    drops.append((kind, err))
-            unit = _common_module([p for spec in specs_qk + specs_vo for p in spec.params])
-            name = unit if unit is not None else module
-            for spec in specs_qk + specs_vo:
-                pairs.append(_renamed(spec, name))
-            if not is_attention:  # a product of projections outside attention
-                continue
-            attention.append(name)
-            for kind, err in drops:
-                dropped.append(Dropped(name, kind, err.reason, err.exact))
+                    results.append((kind, [], err))
+            specs = [s for _, found, _ in results for s, _ in found]
+            # named by the smallest module that holds its parameters and its events
+            where = [] if module in ("", "<root>") else [f"{module}.<events>"]
+            unit = _common_module([p for spec in specs for p in spec.params] + where)
+            name = unit if unit is not None and specs else module
+            for spec, comps in _unique_kinds([f for _, found, _ in results for f in found]):
+                spec = replace(spec, module=name)
+                pairs.append(spec)
+                features[spec.name] = self.features_of(comps)
+                why = self.why_tainted(comps)
+                if why is not None:
+                    tainted[spec.name] = why
+            if is_attention:
+                attention.append(name)
+            for kind, _, err in results:
+                if err is not None:
+                    dropped.append(Dropped(name, kind, err.reason, err.exact))
         return Assembly(
             pairs, list(dict.fromkeys(attention)), dropped, set(self.trace.ran),
-            list(self.trace.opaque), dict(self.trace.uses), self.unknown(),
+            list(self.trace.opaque), dict(self.trace.uses), self.unknown(), tainted, features,
         )  # fmt: skip
 
-    def unknown(self) -> list[tuple[str, str, frozenset[str]]]:
-        """The ops the trace could not look into, with the parameters whose features
-        entered each (every projection a run of feature ids overlaps)."""
+    def kinds(self, module: str, qk: dict, vo: dict) -> list[tuple[str, tuple]]:
+        """The pair kinds of ``module`` with their components (or why there are none)."""
         out = []
-        for runs, reason, module in self.trace.unknown:
-            lo = self.source_of(runs[:, 0]).tolist()
-            hi = self.source_of(runs[:, 1] - 1).tolist()
+        if module in qk:
+            for kind, value in qk[module].items():
+                out.append((kind, value))
+        elif module in vo:
+            reason = "its scores are not a product of projections the trace can follow"
+            out.append(("query-key", ([], _NotPair(reason))))
+        if module in vo:
+            out.append(("value-output", vo[module]))
+        return out
+
+    def features_of(self, comps: list) -> Tensor:
+        """The feature ids a pair holds, as runs: its nodes' and those of the
+        projections that weights reading a head make (terms of its scores)."""
+        ids = [n.features for c in comps for n in c.all_nodes()]
+        for c in comps:
+            for n in getattr(c, "g", []) + getattr(c, "h", []):
+                if isinstance(n, _ParamNode) and n.source >= 0:
+                    src = self.trace.sources[n.source]
+                    ids.append(torch.arange(src.base, src.base + src.size))
+        return _runs_of(torch.cat(ids))
+
+    def why_tainted(self, comps: list) -> tuple[str, bool, bool] | None:
+        """Why the features of ``comps`` are not linear in their projections (their own
+        ops, or a use anywhere), if they are not: the reason, whether it is certain,
+        and whether no continuous symmetry survives it (a function of each element)."""
+        for comp in comps:
+            for n in comp.all_nodes():
+                if n.taint is not None:
+                    return _reason(n.taint.reason), n.taint.certain, n.taint.keeps_nothing
+        found = self.taints.reason(torch.cat([n.features for c in comps for n in c.all_nodes()]))
+        if found is not None:
+            return _reason(found[0]), found[1], False
+        return None
+
+    def unknown(self) -> list[tuple[str, str, frozenset[str], Tensor, frozenset[str]]]:
+        """The ops the trace could not look into, with the parameters whose features or
+        weight matrices entered each (every projection a run of feature ids overlaps)."""
+        out = []
+        for runs, reason, module, matrices in self.trace.unknown:
+            lo = self.source_of(runs[:, 0]).tolist() if len(runs) else []
+            hi = self.source_of(runs[:, 1] - 1).tolist() if len(runs) else []
             params = frozenset(
                 self.trace.sources[i].param for a, b in zip(lo, hi) for i in range(a, b + 1)
             )
-            out.append((module, reason, params))
+            out.append((module, reason, params | matrices, runs, matrices))
         return out
 
-    def query_key(self) -> dict[str, tuple[list, _NotPair | None]]:
-        """Per attention module, its query/key components (or why there are none)."""
+    def query_key(self) -> dict[str, dict[str, tuple[list, _NotPair | None]]]:
+        """Per module, per kind (``"query-key"`` for attention, ``"product"`` for a core
+        whose scores mix no values), its components (or why there are none)."""
         graph = _Graph()
-        failures: dict[str, _NotPair] = {}
-        order: list[str] = []
+        failures: dict[tuple[str, str], _NotPair] = {}
+        order: list[tuple[str, str]] = []
         for core in self.trace.cores:
-            if core.module not in order:
-                order.append(core.module)
-            if core.module in failures:
+            kind = "query-key" if core.index in self.attention_cores else "product"
+            if (core.module, kind) not in order:
+                order.append((core.module, kind))
+            if (core.module, kind) in failures:
                 continue
             try:
-                self._core(core, graph)
+                self.core(core, graph, kind)
             except _NotPair as err:
-                failures[core.module] = err
-        self._readers(graph)
-        comps: dict[str, list] = defaultdict(list)
+                failures[core.module, kind] = err
+        self.readers(graph)
+        comps: dict[tuple[str, str], list] = defaultdict(list)
         for comp in graph.components():
-            if comp.module not in failures:
-                comps[comp.module].append(comp)
-        out = {}
-        for module in order:
-            if module in failures:
-                out[module] = ([], failures[module])
-                continue
-            try:
-                self._check_taint(comps[module], "queries and keys")
-                out[module] = (comps[module], None)
-            except _NotPair as err:
-                out[module] = ([], err)
+            if (comp.module, comp.kind) not in failures:
+                comps[comp.module, comp.kind].append(comp)
+        out: dict[str, dict[str, tuple]] = defaultdict(dict)
+        for module, kind in order:
+            if (module, kind) in failures:
+                out[module][kind] = ([], failures[module, kind])
+            else:
+                out[module][kind] = (comps[module, kind], None)
         return out
 
-    def _readers(self, graph: _Graph) -> None:
+    def readers(self, graph: _Graph) -> None:
         """Weights that read a query or key head's features join the opposite side."""
         for cons in self.trace.consumptions:
             ids = cons.feat.ids
@@ -286,42 +393,37 @@ class _Builder:
                 continue
             slices = cons.slice_offsets()
             for l in range(ids.shape[0]):
-                key = ids[l, :, 0].numpy().tobytes()
-                if key not in graph.nodes:
+                feats = ids[l, 0, :, 0]
+                key = graph.owner.get(int(feats[0])) if len(feats) else None
+                if key is None or not torch.equal(graph.nodes[key].own[0], feats):
                     continue
-                node = self._nodes(ids[l : l + 1])[0]
+                side = Side(ids=ids[l : l + 1], taint=cons.feat.taint)
+                node = self.slice_nodes(side, torch.arange(ids.shape[2]), "queries")[0]
                 reader = _ParamNode(
                     cons.weight.param,
                     cons.weight.offset + int(slices[l % len(slices)]),
                     cons.row_offsets(),
-                    cons.col_offsets(torch.arange(ids.shape[1])),
+                    cons.col_offsets(torch.arange(ids.shape[2])),
+                    cons.source,
                 )
-                graph.edge(node, reader, graph.module[key], core=False)
+                graph.edge(node, reader, graph.module[key], graph.kind[key], core=False)
 
-    def _core(self, core: Core, graph: _Graph) -> None:
-        left = core.left
-        right = core.right
-        if left.taint is not None or right.taint is not None:
-            side, what = (left, "queries") if left.taint is not None else (right, "keys")
-            raise _NotPair(f"{what} {_reason(side.taint.reason)}", exact=side.taint.certain)
-        lids, rids = left.ids, right.ids
-        if lids.shape[:2] != rids.shape[:2]:
+    def core(self, core: Core, graph: _Graph, kind: str) -> None:
+        left, right = core.left, core.right
+        for side, what in ((left, "queries"), (right, "keys")):
+            if side.ids is None:
+                reason = side.taint.reason
+                raise _NotPair(f"{what} {_reason(reason)}", exact=side.taint.certain)
+        if left.batch != right.batch:
             raise _NotPair("the two operands of the scores have different slices")
-        lnodes = self._slice_nodes(lids, "queries")
-        rnodes = self._slice_nodes(rids, "keys")
-        for a, b in zip(lnodes, rnodes):
-            graph.edge(a, b, core.module)
-
-    def _slice_nodes(self, ids: Tensor, what: str) -> list[_Node]:
-        """The node of every slice (nodes shared between slices are one object)."""
-        own = ids[..., 0]
-        if bool(((own <= 0) | (own >= PARAM_BASE)).any()):
-            raise _NotPair(f"{what} have a column that holds no projection feature")
-        unique, inverse = torch.unique(own, dim=0, return_inverse=True)
-        first = torch.full((len(unique),), own.shape[0], dtype=_I64)
-        first.scatter_reduce_(0, inverse, torch.arange(own.shape[0]), reduce="amin")
-        nodes = self._nodes(ids[first])
-        return [nodes[i] for i in inverse.tolist()]
+        for cols in self.column_groups([left, right]):
+            lnodes = self.slice_nodes(left, cols, "queries")
+            rnodes = self.slice_nodes(right, cols, "keys")
+            for b in range(left.batch):
+                for i in range(left.stacked):
+                    for j in range(right.stacked):
+                        a = lnodes[b * left.stacked + i]
+                        graph.edge(a, rnodes[b * right.stacked + j], core.module, kind)
 
     # -- value/output ----------------------------------------------------------------------
 
@@ -337,40 +439,44 @@ class _Builder:
             module = mixing.module
             if module in out and out[module][1] is not None:
                 continue
-            if mixing.taint is not None:
-                reason = f"values {_reason(mixing.taint.reason)}"
-                out[module] = ([], _NotPair(reason, mixing.taint.certain))
-                continue
             if mixing.ids is None:
-                if module not in out:
+                if mixing.taint is not None:
+                    reason = f"values {_reason(mixing.taint.reason)}"
+                    out[module] = ([], _NotPair(reason, mixing.taint.certain))
+                elif module not in out:
                     reason = "its values are not projected: there is no value/output pair"
                     out[module] = ([], _NotPair(reason, exact=True))
                 continue
             try:
-                comps = self._value_output(mixing, by_mix.get(mixing.index, []))
-                previous = out.get(module, ([], None))[0]
-                seen = {c.node.key for c in previous}
-                out[module] = (previous + [c for c in comps if c.node.key not in seen], None)
+                comps = self.value_components(mixing, by_mix.get(mixing.index, []))
+                out[module] = (_joined_values(out.get(module, ([], None))[0] + comps), None)
             except _NotPair as err:
                 out[module] = ([], err)
-        return out
+        return _across_modules(out)
 
-    def _value_output(self, mixing: Mixing, consumers: list[Consumption]) -> list:
-        nodes = self.nodes(Side(ids=mixing.ids), "values")
+    def value_components(self, mixing: Mixing, consumers: list[Consumption]) -> list:
+        side = Side(ids=mixing.ids, taint=mixing.taint)
+        nodes = []
+        for cols in self.column_groups([side]):
+            if len(cols) != side.ids.shape[2]:
+                raise _NotPair("a value head's columns come from different projections")
+            nodes = list({n.key: n for n in self.slice_nodes(side, cols, "values")}.values())
         if not consumers:
-            reason = self.taints.reason(torch.cat([n.own for n in nodes]))
+            reason = self.taints.reason(torch.cat([n.features for n in nodes]))
             if reason is not None:
                 raise _NotPair(f"the attention output {_reason(reason[0])}", reason[1])
             raise _NotPair("the attention output reaches no projection", exact=True)
-        known = torch.cat([n.own for n in nodes])
+        known = torch.cat([n.features for n in nodes])
         params = {p for n in nodes for p in n.biases}
         reads = []  # per consumer: its input columns sorted by the feature they read
+        taint = None
         for consumer in consumers:
             ids = consumer.feat.ids
             if ids is None or ids.shape[0] != 1:
                 raise _NotPair("the attention output is read per slice by a weight")
-            own = ids[0, :, 0]
-            extra = ids[0, :, 1:]
+            taint = taint or consumer.feat.taint
+            own = ids[0, 0, :, 0]
+            extra = ids[0, :, :, 1:]
             feats = extra[(extra > 0) & (extra < PARAM_BASE)]
             entries = extra[extra >= PARAM_BASE] // PARAM_BASE - 1
             if not bool(torch.isin(feats, known).all()) or not set(entries.tolist()) <= params:
@@ -381,10 +487,12 @@ class _Builder:
             reads.append((consumer, own[order], order))
         comps = []
         for node in nodes:
+            if taint is not None and node.taint is None:
+                node = replace(node, taint=taint)
             columns = []
             for consumer, ordered, order in reads:
-                lo = torch.searchsorted(ordered, node.own.contiguous())
-                hi = torch.searchsorted(ordered, node.own.contiguous(), right=True)
+                lo = torch.searchsorted(ordered, node.own[0].contiguous())
+                hi = torch.searchsorted(ordered, node.own[0].contiguous(), right=True)
                 count = hi - lo
                 if not bool((count == count[0]).all()):
                     raise _NotPair("value features are read by different numbers of output columns")
@@ -396,34 +504,22 @@ class _Builder:
             if not columns:
                 raise _NotPair("a value feature reaches no output projection")
             comps.append(_ValueComponent(mixing.module, node, columns))
-        self._check_taint(comps, "values")
         return comps
-
-    # -- taints ----------------------------------------------------------------------------
-
-    def _check_taint(self, comps: list, what: str) -> None:
-        """Raise if a feature of ``comps`` is tainted anywhere (also after its core)."""
-        if not comps:
-            return
-        features = torch.cat([n.own for comp in comps for n in comp.all_nodes()])
-        found = self.taints.reason(features)
-        if found is not None:
-            raise _NotPair(f"{what} also {_reason(found[0])}", exact=found[1])
 
     # -- blocks ----------------------------------------------------------------------------
 
-    def stack(self, module: str, kind: str, comps: list) -> list[PairSpec]:
+    def stack(self, module: str, kind: str, comps: list) -> list[tuple[PairSpec, list]]:
         """Components of one module and kind, stacked as heads where their layouts agree
         (one :class:`PairSpec` per layout), split into rotary and pass-through parts."""
         groups: dict[tuple, list] = defaultdict(list)
         for comp in comps:
-            groups[comp.signature(self)].append(comp)
+            groups[comp.signature()].append(comp)
         out = []
         for comps_of in groups.values():
-            out.extend(self._specs(module, kind, comps_of))
+            out.extend((spec, comps_of) for spec in self.specs(module, kind, comps_of))
         return out
 
-    def _specs(self, module: str, kind: str, comps: list) -> list[PairSpec]:
+    def specs(self, module: str, kind: str, comps: list) -> list[PairSpec]:
         first = comps[0]
         partner = first.partner()
         h = len(partner)
@@ -438,49 +534,43 @@ class _Builder:
         else:
             parts.append((kind, list(range(h)), "GL"))
         stack = first.stack_size()
-        note = ""
-        if stack > 1:
-            note = f"{stack} query heads share each key/value head"
+        note = f"{stack} query heads share each key/value head" if stack > 1 else ""
         specs = []
         for part_kind, columns, group in parts:
             cols = torch.tensor(columns, dtype=_I64)
-            g = tuple(self._blocks(comps, "g", cols))
-            hb = tuple(self._blocks(comps, "h", cols))
+            g = tuple(first.blocks(self, comps, "g", cols))
+            hb = tuple(first.blocks(self, comps, "h", cols))
             specs.append(
                 PairSpec(module, part_kind, g, hb, group=group, note=note, query_heads=stack)
             )
         return specs
 
-    def _blocks(self, comps: list, side: str, cols: Tensor) -> list[Block]:
-        """The blocks of one side of stacked components: per row kind (weight rows,
-        bias, added parameters, or a consuming weight's columns), one block whose rows
-        stack the side's nodes."""
-        return comps[0].blocks(self, comps, side, cols)
+    def weight_block(self, source: int, own: Tensor, cols: Tensor) -> Block:
+        """The rows of projection ``source`` for features ``own`` ``(heads, stacked,
+        columns)``."""
+        src = self.trace.sources[source]
+        offsets = src.offset + src.feature_offsets(own[:, :, cols] - src.base)
+        return _block(src.param, offsets, _axes_offsets(src.rows))
 
-    def weight_block(self, nodes_per_head: list[list[_Node]], cols: Tensor) -> Block:
-        source = self.trace.sources[nodes_per_head[0][0].source]
-        feats = _owns(nodes_per_head)[:, :, cols] - source.base  # (heads, stacked, h)
-        offsets = source.offset + source.feature_offsets(feats)
-        rows = _axes_offsets(source.rows)
-        return _block(source.param, offsets, rows)
-
-    def bias_block(self, nodes_per_head: list[list[_Node]], cols: Tensor) -> Block | None:
-        source = self.trace.sources[nodes_per_head[0][0].source]
-        if source.bias is None:
+    def bias_block(self, source: int, own: Tensor, cols: Tensor) -> Block | None:
+        src = self.trace.sources[source]
+        if src.bias is None:
             return None
-        feats = _owns(nodes_per_head)[:, :, cols] - source.base
-        bias = source.bias
-        positions = bias.offset + _flat_offsets(bias.shape, bias.strides, feats)
+        bias = src.bias
+        positions = bias.offset + _flat_offsets(
+            bias.shape, bias.strides, own[:, :, cols] - src.base
+        )
         return _block(bias.param, positions, torch.zeros(1, dtype=_I64))
 
     def added_blocks(self, nodes_per_head: list[list[_Node]], cols: Tensor) -> list[Block]:
         keys = sorted(nodes_per_head[0][0].biases)
         out = []
         for p in keys:
+            # (heads, stacked * rows, columns): the rows of each stacked node in turn
             positions = torch.stack(
-                [torch.stack([n.biases[p][cols] for n in nodes]) for nodes in nodes_per_head]
+                [torch.cat([n.biases[p][:, cols] for n in nodes]) for nodes in nodes_per_head]
             )
-            out.append(_block(self.trace.params[p], positions, torch.zeros(1, dtype=_I64)))
+            out.append(_block_rows(self.trace.params[p], positions))
         return out
 
 
@@ -491,8 +581,8 @@ class _QueryKeyComponent:
     """Nodes of one bilinear form: ``g`` (the side of the first query operand) and
     ``h``."""
 
-    def __init__(self, module: str, g: list[_Node], h: list[_Node]):
-        self.module = module
+    def __init__(self, module: str, kind: str, g: list, h: list):
+        self.module, self.kind = module, kind
         self.g, self.h = g, h
 
     def all_nodes(self) -> list[_Node]:
@@ -504,10 +594,10 @@ class _QueryKeyComponent:
     def stack_size(self) -> int:
         return len(self.g) if len(self.h) == 1 else 1
 
-    def signature(self, builder: _Builder) -> tuple:
+    def signature(self) -> tuple:
         def side(nodes):
             return tuple(
-                (n.source, n.partner, tuple(sorted(n.biases)))
+                (n.sources, n.partner, tuple((p, len(b)) for p, b in sorted(n.biases.items())))
                 if isinstance(n, _Node)
                 else (n.param, len(n.rows))
                 for n in nodes
@@ -528,6 +618,8 @@ class _ValueComponent:
     h)`` that read the head's features: ``H`` stacks one block of columns per reading
     query head."""
 
+    kind = "value-output"
+
     def __init__(self, module: str, node: _Node, reads: list[tuple[Consumption, Tensor]]):
         self.module = module
         self.node = node
@@ -542,9 +634,10 @@ class _ValueComponent:
     def stack_size(self) -> int:
         return self.reads[0][1].shape[0]
 
-    def signature(self, builder: _Builder) -> tuple:
+    def signature(self) -> tuple:
         readers = tuple((c.weight.param, cols.shape[0]) for c, cols in self.reads)
-        return ("vo", self.node.source, self.node.partner, tuple(sorted(self.node.biases)), readers)
+        biases = tuple((p, len(b)) for p, b in sorted(self.node.biases.items()))
+        return ("vo", self.node.sources, self.node.partner, biases, readers)
 
     def blocks(self, builder: _Builder, comps: list, side: str, cols: Tensor) -> list[Block]:
         if side == "g":
@@ -560,27 +653,74 @@ class _ValueComponent:
         return out
 
 
-def _owns(nodes_per_head: list[list[_Node]]) -> Tensor:
-    """The features of stacked nodes, ``(heads, stacked, columns)``."""
-    flat = torch.stack([n.own for nodes in nodes_per_head for n in nodes])
-    return flat.view(len(nodes_per_head), len(nodes_per_head[0]), -1)
+def _joined_values(comps: list[_ValueComponent]) -> list[_ValueComponent]:
+    """Value heads of one module, one per head: a head mixed again (by another layer's
+    scores, or in another call of a shared block) is one head read by every weight that
+    reads it; heads that share a projection's features (a block shared across depth,
+    an adapter added per call) one head of all their projections."""
+    out: list[_ValueComponent] = []
+    for comp in comps:
+        features = set(comp.node.features.tolist())
+        same = next((c for c in out if features & set(c.node.features.tolist())), None)
+        if same is None:
+            out.append(comp)
+            continue
+        node = same.node if same.node.key == comp.node.key else _union(same.node, comp.node)
+        reads = list(same.reads)
+        for consumer, cols in comp.reads:
+            if not any(_same_read(consumer, cols, c, k) for c, k in reads):
+                reads.append((consumer, cols))
+        out[out.index(same)] = _ValueComponent(same.module, node, reads)
+    return out
+
+
+def _across_modules(out: dict[str, tuple[list, _NotPair | None]]) -> dict:
+    """Value heads mixed in several modules (layers that read one layer's values, a
+    block whose calls are modules of their own with tied weights): one head, in the
+    first module."""
+    modules = [m for m, (_, failure) in out.items() if failure is None]
+    for i, a in enumerate(modules):
+        for b in modules[i + 1 :]:
+            held = {f for c in out[a][0] for f in c.node.features.tolist()}
+            moved = [c for c in out[b][0] if held & set(c.node.features.tolist())]
+            if moved:
+                try:
+                    joined = _joined_values(out[a][0] + moved)
+                except _NotPair as err:
+                    out[a] = out[b] = ([], err)
+                    continue
+                out[a] = (joined, None)
+                out[b] = ([c for c in out[b][0] if c not in moved], None)
+    return out
+
+
+def _same_read(a: Consumption, cols_a: Tensor, b: Consumption, cols_b: Tensor) -> bool:
+    return (
+        a.weight.param == b.weight.param
+        and a.weight.offset == b.weight.offset
+        and a.rows == b.rows
+        and a.cols == b.cols
+        and torch.equal(cols_a, cols_b)
+    )
 
 
 def _node_blocks(builder: _Builder, per_head: list[list], cols: Tensor) -> list[Block]:
-    """Weight rows of the stacked nodes, then their biases, then added parameters, then
-    weights that read them; consecutive nodes of one projection share a block."""
+    """Weight rows of the stacked nodes (per projection summed in them), then their
+    biases, then added parameters, then weights that read them; consecutive nodes of
+    one layout share a block."""
     first = per_head[0]
     features = [i for i, n in enumerate(first) if isinstance(n, _Node)]
     readers = [i for i, n in enumerate(first) if isinstance(n, _ParamNode)]
     weights, biases, added = [], [], []
-    if features:
-        for a, b in _runs([first[i].source for i in features], features):
-            run = [nodes[a:b] for nodes in per_head]
-            weights.append(builder.weight_block(run, cols))
-            bias = builder.bias_block(run, cols)
+    for a, b in _runs([first[i].sources for i in features], features):
+        run = [nodes[a:b] for nodes in per_head]
+        for k, source in enumerate(run[0][0].sources):
+            own = torch.stack([torch.stack([n.own[k] for n in nodes]) for nodes in run])
+            weights.append(builder.weight_block(source, own, cols))
+            bias = builder.bias_block(source, own, cols)
             if bias is not None:
                 biases.append(bias)
-            added.extend(builder.added_blocks(run, cols))
+        added.extend(builder.added_blocks(run, cols))
     for i in readers:
         nodes = [heads[i] for heads in per_head]
         heads_cols = torch.stack([(n.base + n.cols[cols])[None, :] for n in nodes])
@@ -588,53 +728,103 @@ def _node_blocks(builder: _Builder, per_head: list[list], cols: Tensor) -> list[
     return weights + biases + added
 
 
-def _runs(sources: list[int], index: list[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` of consecutive positions (``index``) with one source."""
+def _runs(keys: list, index: list[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive positions (``index``) with one key."""
     runs = []
     start = 0
     for j in range(1, len(index) + 1):
-        if j == len(index) or sources[j] != sources[start] or index[j] != index[j - 1] + 1:
+        if j == len(index) or keys[j] != keys[start] or index[j] != index[j - 1] + 1:
             runs.append((index[start], index[j - 1] + 1))
             start = j
     return runs
+
+
+def _unique_kinds(found: list[tuple[PairSpec, list]]) -> list[tuple[PairSpec, list]]:
+    """The pairs of one module with distinct kinds: beside a rotary pair of a kind, the
+    plain pairs of that kind are its ``-pass`` part (latent attention's columns without
+    a rotary embedding); a kind given twice otherwise is numbered from its second."""
+    rotary = {spec.kind for spec, _ in found if spec.group != "GL"}
+    seen: dict[str, int] = {}
+    out = []
+    for spec, comps in found:
+        kind = spec.kind
+        if kind in rotary and spec.group == "GL":
+            kind = f"{kind}-pass"
+        n = seen.get(kind, 0) + 1
+        seen[kind] = n
+        out.append((replace(spec, kind=kind if n == 1 else f"{kind}-{n}"), comps))
+    return out
 
 
 # --- graph ------------------------------------------------------------------------------
 
 
 class _Graph:
-    """Nodes joined by the cores they meet in, with a two-colouring."""
+    """Nodes joined by the cores they meet in, with a two-colouring; nodes that hold one
+    projection's features (a shared block's calls) are one node of all their
+    projections."""
 
     def __init__(self):
         self.nodes: dict[bytes, _Node] = {}
         self.module: dict[bytes, str] = {}
+        self.kind: dict[bytes, str] = {}
         self.adj: dict[bytes, list[bytes]] = defaultdict(list)
         self.order: list[bytes] = []
         self.position: dict[bytes, int] = {}
         self.first_left: set[bytes] = set()
+        self.owner: dict[int, bytes] = {}  # feature id -> the node holding it
+        self.alias: dict[bytes, bytes] = {}
 
-    def edge(self, a, b, module: str, core: bool = True) -> None:
-        for n in (a, b):
-            if n.key not in self.nodes:
-                self.nodes[n.key] = n
-                self.module[n.key] = module
-                self.position[n.key] = len(self.order)
-                self.order.append(n.key)
-            elif isinstance(n, _Node):
-                _merge(self.nodes[n.key], n)
-        if a.key == b.key:
+    def find(self, key: bytes) -> bytes:
+        while key in self.alias:
+            key = self.alias[key]
+        return key
+
+    def add(self, n, module: str, kind: str) -> bytes:
+        """The key of node ``n`` in the graph (merged with nodes sharing its features)."""
+        key = self.find(n.key)
+        if key in self.nodes:
+            if isinstance(n, _Node):
+                _merge(self.nodes[key], n)
+            self.kind[key] = _kind_of(self.kind[key], kind)
+            return key
+        if isinstance(n, _Node):
+            shared = {self.find(self.owner[f]) for f in n.features.tolist() if f in self.owner}
+            if shared:
+                (other,) = shared if len(shared) == 1 else (None,)
+                if other is None or not _shares_a_projection(self.nodes[other], n):
+                    raise _NotPair("a head holds some of the features of other heads")
+                merged = _union(self.nodes[other], n)
+                self.nodes[other] = merged
+                self.alias[n.key] = other
+                for f in merged.features.tolist():
+                    self.owner[f] = other
+                self.kind[other] = _kind_of(self.kind[other], kind)
+                return other
+            for f in n.features.tolist():
+                self.owner[f] = n.key
+        self.nodes[n.key] = n
+        self.module[n.key] = module
+        self.kind[n.key] = kind
+        self.position[n.key] = len(self.order)
+        self.order.append(n.key)
+        return n.key
+
+    def edge(self, a, b, module: str, kind: str, core: bool = True) -> None:
+        ka, kb = self.add(a, module, kind), self.add(b, module, kind)
+        if ka == kb:
             raise _NotPair("a projection meets itself in the scores")
-        if b.key not in self.adj[a.key]:
-            self.adj[a.key].append(b.key)
-            self.adj[b.key].append(a.key)
+        if kb not in self.adj[ka]:
+            self.adj[ka].append(kb)
+            self.adj[kb].append(ka)
         if core:
-            self.first_left.add(a.key)
+            self.first_left.add(ka)
 
     def components(self) -> list[_QueryKeyComponent]:
         colour: dict[bytes, int] = {}
         out = []
         for start in self.order:
-            if start in colour:
+            if start in colour or start in self.alias:
                 continue
             first = 0 if start in self.first_left else 1
             colour[start] = first
@@ -642,6 +832,7 @@ class _Graph:
             while queue:
                 k = queue.pop()
                 for n in self.adj[k]:
+                    n = self.find(n)
                     if n not in colour:
                         colour[n] = 1 - colour[k]
                         members.append(n)
@@ -651,8 +842,16 @@ class _Graph:
             members.sort(key=self.position.__getitem__)
             g = [self.nodes[k] for k in members if colour[k] == first]
             h = [self.nodes[k] for k in members if colour[k] != first]
-            out.append(_QueryKeyComponent(self.module[start], g, h))
+            kind = self.kind[start]
+            for k in members:
+                kind = _kind_of(kind, self.kind[k])
+            out.append(_QueryKeyComponent(self.module[start], kind, g, h))
         return out
+
+
+def _kind_of(a: str, b: str) -> str:
+    """A component in attention anywhere is attention's."""
+    return "query-key" if "query-key" in (a, b) else a
 
 
 def _merge(kept: _Node, seen: _Node) -> None:
@@ -664,6 +863,48 @@ def _merge(kept: _Node, seen: _Node) -> None:
         if p in kept.biases and not torch.equal(kept.biases[p], positions):
             raise _NotPair("a head is added different entries of one parameter")
         kept.biases.setdefault(p, positions)
+    kept.taint = kept.taint or seen.taint
+
+
+def _shares_a_projection(a: _Node, b: _Node) -> bool:
+    """Whether two nodes hold one projection's features in the same columns, and no
+    other feature in common (a block called twice, with another adapter each time)."""
+    common = set(a.sources) & set(b.sources)
+    if not common:
+        return False
+    for s in common:
+        if not torch.equal(a.own[a.sources.index(s)], b.own[b.sources.index(s)]):
+            return False
+    rest_a = {f for k, s in enumerate(a.sources) if s not in common for f in a.own[k].tolist()}
+    rest_b = {f for k, s in enumerate(b.sources) if s not in common for f in b.own[k].tolist()}
+    return not (rest_a & rest_b)
+
+
+def _union(kept: _Node, seen: _Node) -> _Node:
+    """The node of every projection of two nodes that share some (one block called
+    with different adapters): its rows are all of theirs."""
+    if kept.own.shape[1] != seen.own.shape[1]:
+        raise _NotPair("one projection is read in heads of different layouts: no joint pair")
+    if kept.partner != seen.partner:
+        raise _NotPair("a head is rotated differently in different calls")
+    sources, own = list(kept.sources), [kept.own]
+    for k, s in enumerate(seen.sources):
+        if s in sources:
+            if not torch.equal(kept.own[sources.index(s)], seen.own[k]):
+                raise _NotPair(
+                    "one projection is read in heads of different layouts: no joint pair"
+                )
+            continue
+        sources.append(s)
+        own.append(seen.own[k : k + 1])
+    biases = dict(kept.biases)
+    for p, positions in seen.biases.items():
+        if p in biases and not torch.equal(biases[p], positions):
+            raise _NotPair("a head is added different entries of one parameter")
+        biases.setdefault(p, positions)
+    node = _Node(torch.cat(own), tuple(sources), kept.partner, biases, kept.taint or seen.taint)
+    node.key = kept.key
+    return node
 
 
 # --- helpers ----------------------------------------------------------------------------
@@ -694,7 +935,7 @@ class _TaintIndex:
         if not bool(hit.any()):
             return None
         first = None
-        for f in features[hit].tolist():  # the events containing them (few)
+        for f in features[hit].unique().tolist():  # the events containing them (few)
             inside = (self.starts <= f) & (self.stops > f)
             i = int(self.event[inside].min())
             first = i if first is None else min(first, i)
@@ -706,13 +947,82 @@ def _reason(text: str) -> str:
     return f"pass through {text}" if text else "are not linear in their projection"
 
 
-def _unique_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Distinct rows of ``x`` and the index of each one's first occurrence (in order)."""
-    unique, inverse = torch.unique(x, dim=0, return_inverse=True)
-    first = torch.full((len(unique),), x.shape[0], dtype=_I64)
-    first.scatter_reduce_(0, inverse, torch.arange(x.shape[0]), reduce="amin")
-    order = torch.argsort(first)
-    return unique[order], first[order]
+def _own_and_partner(mine: Tensor) -> tuple[Tensor, Tensor]:
+    """Per column, its own feature and the column rotated with it (-1: none), from the
+    features ``mine[c, s]`` of one projection in each column (0: none): a column holds
+    one feature, or two (its own and its partner's, a rotation plane), which the other
+    column of the plane holds too; in a plane the smaller feature is the smaller
+    column's own."""
+    columns = mine.shape[0]
+    top = torch.sort(mine, dim=1, descending=True).values
+    hi = top[:, 0]
+    lo = top[:, 1] if top.shape[1] > 1 else torch.zeros_like(hi)
+    if top.shape[1] > 2 and bool((top[:, 2] != 0).any()):
+        raise _NotPair("a column mixes features of different heads or projections")
+    if bool((hi == 0).any()):
+        raise _NotPair("a head's columns come from different projections")
+    own = hi.clone()
+    partner = torch.full((columns,), -1, dtype=_I64)
+    planes = torch.nonzero(lo != 0).flatten()
+    if len(planes):
+        key = lo[planes] * (1 << 42) + hi[planes]
+        order = planes[torch.argsort(key, stable=True)]
+        if len(order) % 2 or not torch.equal(key.sort().values[0::2], key.sort().values[1::2]):
+            raise _NotPair("columns are mixed, but not in rotation planes")
+        first, second = order[0::2], order[1::2]
+        a, b = torch.minimum(first, second), torch.maximum(first, second)
+        own[a], own[b] = lo[a], hi[a]
+        partner[a], partner[b] = b, a
+    ordered = torch.sort(own).values
+    if columns > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        raise _NotPair("a head holds one feature in two columns")
+    return own, partner
+
+
+def _own_entries(seen: list[Tensor], partner: Tensor, own: Tensor) -> list[Tensor]:
+    """Per column, the entries of a parameter that are its own: a rotated column holds
+    its partner's too (a bias added before the rotation), split between the two as their
+    features are (in order)."""
+    out = list(seen)
+    for c in range(len(seen)):
+        p = int(partner[c])
+        if p < 0:
+            continue
+        both = seen[c]
+        if not torch.equal(both, seen[p]) or len(both) % 2:
+            if torch.equal(both, seen[p]):
+                raise _NotPair("one parameter is added twice to a head")
+            continue  # added after the rotation: each column its own entries
+        half = len(both) // 2
+        out[c] = both[:half] if bool(own[c] < own[p]) else both[half:]
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return list(reversed(strides))
+
+
+def _unravel(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Flat positions as multi-indices ``(n, dims)`` of a contiguous ``shape``."""
+    out = []
+    rest = flat.clone()
+    for size in reversed(shape):
+        out.append(rest % size)
+        rest = rest // size
+    return torch.stack(list(reversed(out)), 1) if out else flat[:, None]
+
+
+def _runs_of(ids: Tensor) -> Tensor:
+    """Feature ids as sorted runs ``[start, stop)``."""
+    t = ids.unique()
+    if not t.numel():
+        return torch.zeros(0, 2, dtype=_I64)
+    cut = torch.nonzero(t[1:] - t[:-1] != 1).flatten() + 1
+    return torch.stack([torch.cat([t[:1], t[cut]]), torch.cat([t[cut - 1] + 1, t[-1:] + 1])], 1)
 
 
 def _plane_layout(partner: tuple[int, ...], rotated: list[int]) -> tuple[str, list[int]]:
@@ -762,6 +1072,11 @@ def _block(param: str, heads_cols: Tensor, rows: Tensor) -> Block:
     return Block(param, index)
 
 
+def _block_rows(param: str, positions: Tensor) -> Block:
+    """Block of positions ``(heads, rows, columns)`` (separable where it is)."""
+    return _block(param, positions, torch.zeros(1, dtype=_I64))
+
+
 def _common_module(params: list[str]) -> str | None:
     """The smallest module that holds all ``params`` (``None`` without any)."""
     if not params:
@@ -773,7 +1088,3 @@ def _common_module(params: list[str]) -> str | None:
             break
         common.append(level[0])
     return ".".join(common)
-
-
-def _renamed(spec: PairSpec, module: str) -> PairSpec:
-    return replace(spec, module=module)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +39,9 @@ from ..errors import SymmetryWarning
 from ..params import aliases, swapped
 from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .assemble import Assembly, assemble
+from .groups import CHECKS
 from .inputs import example_inputs
-from .pairs import Block, Dropped, PairSpec, Symmetries
+from .pairs import Block, Dropped, PairSpec, Symmetries, orthogonal_part
 from .registry import handler_for
 from .trace import Tracer
 from .verify import LOSS, capture_inputs, sharded_unit, unit_of, verify_pairs
@@ -85,131 +86,20 @@ def find_symmetries(
     named = list(model.named_parameters())
     if not named:
         raise ValueError("the model has no parameters: there is nothing to measure")
-    names = {id(p): n for n, p in named}
-
-    def name_of(tensor: Tensor) -> str:
-        try:
-            return names[id(tensor)]
-        except KeyError:
-            raise ValueError(
-                "a handler pointed at a tensor that is not a parameter of the model"
-            ) from None
-
-    declared, handled = _handled_pairs(model, name_of)
+    found = _Found(*_handled_pairs(model, _namer(named)))
     meta = any(p.is_meta for _, p in named)
-    run = _forward(model, inputs, loss_fn, meta)
-    attention: list[str] = list(handled)
-    dropped: list[Dropped] = []
-    traced: list[PairSpec] = []
-    unknown: list[tuple[str, str, frozenset[str]]] = []
-    discovery = "structure"
-    assembly = None
-    failures: list[str] = []  # why a trace did not run, the last attempt's last
-    if run is not None:
-        head = _head(inputs) if inputs is not None else None
-        small = _forward(model, head, loss_fn, meta) if head is not None else None
-        if small is not None:  # the layout does not depend on the batch size
-            assembly = _traced(model, small, meta, True, warn=False, failures=failures)
-        if assembly is None:
-            assembly = _traced(
-                model, run, meta, inputs is None, warn and inputs is not None, failures
-            )
-    if assembly is None and inputs is None:  # no batch: the Hugging Face models inside
-        assembly, run = _traced_parts(model, meta)
-    if assembly is not None:
-        discovery = "trace"
-        traced = assembly.pairs
-        unknown = assembly.unknown
-        attention += [a for a in assembly.attention if a not in attention]
-        trainable = {n for n, p in named if p.requires_grad}
-        adapters = handled + [p.module for p in declared]
-        dropped += [_adapted(d, adapters, trainable) for d in assembly.dropped]
-
-    traced, merged_drops = _merged(traced)
-    dropped += merged_drops
-    candidates = declared + traced  # declared layouts first
-    checks = [None] * len(candidates)
+    run = _traced_phase(model, inputs, loss_fn, meta, warn, found)
+    candidates = _merged_phase(found)
     checked = run is not None and verify and not meta and bool(candidates)
+    candidates = _structural_phase(candidates, found)
     if checked:
-        uses = _uses(model, assembly.uses if assembly is not None else {})
-        ran = assembly.ran if assembly is not None else None
-        checks = _verify(model, run, candidates, cond, seed, uses, ran)
-    pairs, failed, kept_declared = [], [], []
-    verified = {}
-    for i, (pair, check) in enumerate(zip(candidates, checks)):
-        if check is not None and not check.ok:
-            failed.append((pair, check))
-            continue
-        if i >= len(declared) and any(_overlap(pair, d) for d in kept_declared):
-            continue  # the trace's copy of a declared pair
-        if checked and (check is None or not check.conclusive):
-            dropped.append(Dropped(pair.module, pair.kind, _unverified(check), exact=False))
-            if warn:
-                warnings.warn(
-                    f"{pair.name}: not used, {_unverified(check)}", SymmetryWarning, stacklevel=2
-                )
-            continue
-        pairs.append(pair)
-        if i < len(declared):
-            kept_declared.append(pair)
-        if check is not None:
-            verified[pair.name] = check
-    for pair, check in failed:
-        reason = _refuted(check)
-        if any(_overlap(pair, p) for p in pairs):
-            if warn:
-                warnings.warn(
-                    f"{pair.name}: dropped, {reason}; the layout traced from the forward pass "
-                    "is used instead",
-                    SymmetryWarning,
-                    stacklevel=2,
-                )
-            continue
-        dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
-        if warn:
-            warnings.warn(f"{pair.name}: dropped, {reason}", SymmetryWarning, stacklevel=2)
-
-    # features that entered an op the trace cannot look into: not understood, unless
-    # every parameter they come from is in a verified pair or a module already said so
-    paired = {n for p in pairs for n in p.params}
-    for module, op, params in unknown:
-        said = {d.module for d in dropped if not d.exact}
-        if params <= paired or any(_related(module, m) for m in said):
-            continue
-        reason = (
-            f"projection features of {', '.join(sorted(params)[:2])}"
-            f"{' ...' if len(params) > 2 else ''} enter {op}, which the trace cannot look into "
-            "(discover with eager or sdpa attention, or declare the pairs)"
-        )
-        dropped.append(Dropped(module, "all", reason, exact=False))
-    if discovery == "structure":  # nothing ran: what no handler declares is unknown
-        outside = [n for n, _ in named if not any(_inside(n, h) for h in handled)]
-        if outside:
-            reason = (
-                f"no forward pass ran, so {outside[0]}"
-                f"{f' and {len(outside) - 1} more parameters' if len(outside) > 1 else ''} "
-                "could not be traced: pass a batch, find_symmetries(model, batch)"
-            )
-            dropped.append(Dropped("", "all", reason, exact=False))
-    unrecognized = list(dict.fromkeys(d.module for d in dropped if not d.exact))
-    symmetries = Symmetries(
-        pairs=pairs,
-        parameters={n: tuple(p.shape) for n, p in named},
-        unrecognized=list(dict.fromkeys(unrecognized)),
-        attention=attention,
-        dropped=dropped,
-        verified=verified,
-        discovery=discovery,
-        trace_error=failures[-1] if assembly is None and failures else None,
-        idle=[]
-        if assembly is None
-        else [
-            n
-            for n, _ in named
-            if n not in assembly.uses and not any(_inside(n, h) for h in handled)
-        ],
-    )
-    symmetries.validate()
+        _verified_phase(model, run, candidates, found, cond, seed, warn)
+    else:  # kept unverified (checked later, on a sharded model); clashes said
+        for i, pair in enumerate(candidates):
+            if i < len(found.declared) or not _copy_of_declared(pair, found.declared):
+                _kept(pair, found)
+    _classified_phase(model, named, found)
+    symmetries = _reported_phase(named, found)
     if warn and symmetries.unrecognized:
         warnings.warn(
             "geosharp does not understand the symmetries of these modules; "
@@ -221,6 +111,333 @@ def find_symmetries(
             stacklevel=2,
         )
     return symmetries
+
+
+@dataclass
+class _Found:
+    """What discovery has found so far, phase by phase."""
+
+    declared: list[PairSpec]
+    handled: list[str]
+    assembly: Assembly | None = None
+    discovery: str = "structure"
+    failures: list[str] = field(default_factory=list)  # why a trace did not run
+    pairs: list[PairSpec] = field(default_factory=list)
+    dropped: list[Dropped] = field(default_factory=list)
+    verified: dict = field(default_factory=dict)
+    clashes: dict[str, str] = field(default_factory=dict)
+    """Traced pairs that claim entries of another of a different layout, by name: the
+    module of the other."""
+
+    @property
+    def attention(self) -> list[str]:
+        traced = self.assembly.attention if self.assembly is not None else []
+        return list(dict.fromkeys([*self.handled, *traced]))
+
+
+def _namer(named: list[tuple[str, Tensor]]):
+    names = {id(p): n for n, p in named}
+
+    def name_of(tensor: Tensor) -> str:
+        try:
+            return names[id(tensor)]
+        except KeyError:
+            raise ValueError(
+                "a handler pointed at a tensor that is not a parameter of the model"
+            ) from None
+
+    return name_of
+
+
+def _traced_phase(model, inputs, loss_fn, meta: bool, warn: bool, found: _Found):
+    """Trace one forward pass (on the batch's first examples where that runs) and
+    assemble its events; returns the forward pass to verify on (``None``: none ran)."""
+    run = _forward(model, inputs, loss_fn, meta)
+    assembly = None
+    if run is not None:
+        head = _head(inputs) if inputs is not None else None
+        small = _forward(model, head, loss_fn, meta) if head is not None else None
+        if small is not None:  # the layout does not depend on the batch size
+            assembly = _traced(model, small, meta, True, warn=False, failures=found.failures)
+        if assembly is None:
+            assembly = _traced(
+                model, run, meta, inputs is None, warn and inputs is not None, found.failures
+            )
+    if assembly is None and inputs is None:  # no batch: the Hugging Face models inside
+        assembly, run = _traced_parts(model, meta)
+    if assembly is not None:
+        found.assembly, found.discovery = assembly, "trace"
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        adapters = found.handled + [p.module for p in found.declared]
+        found.dropped += [_adapted(d, adapters, trainable) for d in assembly.dropped]
+    return run
+
+
+def _merged_phase(found: _Found) -> list[PairSpec]:
+    """The candidates: declared layouts first, then the traced pairs, those that claim
+    common entries joined or dropped."""
+    traced, found.clashes = _merged(found.assembly.pairs if found.assembly is not None else [])
+    return found.declared + traced
+
+
+def _structural_phase(candidates: list[PairSpec], found: _Found) -> list[PairSpec]:
+    """The candidates left once those whose features went through a function of each
+    element (an activation, a clamp) are dropped: no continuous symmetry survives it,
+    whatever a check on one batch says (a clamp that batch never reaches)."""
+    tainted = found.assembly.tainted if found.assembly is not None else {}
+    traced = candidates[len(found.declared) :]
+    nonlinear = [p for p in traced if tainted.get(p.name, ("", False, False))[2]]
+    for pair in nonlinear:
+        reason = f"{_subject(pair)} {tainted[pair.name][0]}: not linear in their projections"
+        found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=True))
+    return found.declared + [p for p in traced if p not in nonlinear]
+
+
+def _copy_of_declared(pair: PairSpec, declared: list[PairSpec]) -> bool:
+    return any(_overlap(pair, d) for d in declared)
+
+
+def _beside_declared(model, pair: PairSpec, declared: list[PairSpec], found: _Found) -> bool:
+    """A traced pair that claims entries of a declared one: the trace's copy of it
+    (the same entries) is left out silently; a larger one through projections that
+    carry adapters (modules a handler declares inside its module) is left out and said,
+    as adapters' modules are; ``False`` for any other, which its check decides."""
+    if any(_same_entries(pair, d) for d in declared):
+        return True
+    adapters = found.handled + [p.module for p in found.declared]
+    if not any(h.startswith(pair.module + ".") for h in adapters):
+        return False  # not through adapters: a candidate like any other
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    reason = "it claims entries of a pair declared for the module (its handler's)"
+    found.dropped.append(
+        _adapted(Dropped(pair.module, pair.kind, reason, False), adapters, trainable)
+    )
+    return True
+
+
+def _same_entries(a: PairSpec, b: PairSpec) -> bool:
+    """Whether two pairs hold the same entries on each side (in any blocks)."""
+
+    def entries(blocks):
+        return sorted((x.param, tuple(x.index.reshape(-1).sort().values.tolist())) for x in blocks)
+
+    return entries(a.g_blocks) == entries(b.g_blocks) and entries(a.h_blocks) == entries(b.h_blocks)
+
+
+def _verified_phase(model, run, candidates, found: _Found, cond, seed, warn: bool) -> None:
+    """Check every candidate on the model; one that its group refutes is tried in the
+    group's orthogonal part, and, failing that, against scalings alone, which decide
+    what its drop says."""
+    assembly = found.assembly
+    uses = _uses(model, assembly.uses if assembly is not None else {})
+    ran = assembly.ran if assembly is not None else None
+    tainted = assembly.tainted if assembly is not None else {}
+    checks = _verify(model, run, candidates, cond, seed, uses, ran)
+    retry = [i for i, c in enumerate(checks) if c is not None and not c.ok
+             and orthogonal_part(candidates[i].group) != candidates[i].group]  # fmt: skip
+    smaller = [replace(candidates[i], group=orthogonal_part(candidates[i].group)) for i in retry]
+    for i, pair, check in zip(retry, smaller, _verify(model, run, smaller, cond, seed, uses, ran)):
+        if check is not None and check.ok and check.conclusive:
+            candidates[i], checks[i] = pair, check
+            tainted.setdefault(pair.name, ("", True, False))
+    failed = [i for i, c in enumerate(checks) if c is not None and not c.ok]
+    scalings = _scalings(model, run, [candidates[i] for i in failed], cond, seed, uses, ran)
+    kept_declared: list[PairSpec] = []
+    for i, (pair, check) in enumerate(zip(candidates, checks)):
+        if check is not None and not check.ok:
+            continue
+        if i >= len(found.declared) and _copy_of_declared(pair, kept_declared):
+            if _beside_declared(model, pair, kept_declared, found):
+                continue
+        if check is None or not check.conclusive:
+            found.dropped.append(Dropped(pair.module, pair.kind, _unverified(check), exact=False))
+            if warn:
+                warnings.warn(
+                    f"{pair.name}: not used, {_unverified(check)}", SymmetryWarning, stacklevel=4
+                )
+            continue
+        if _kept(pair, found):
+            if i < len(found.declared):
+                kept_declared.append(pair)
+            found.verified[pair.name] = check
+    for i, scaled in zip(failed, scalings):
+        if i >= len(found.declared) and _copy_of_declared(candidates[i], kept_declared):
+            if _beside_declared(model, candidates[i], kept_declared, found):
+                continue
+        _refuted_candidate(candidates[i], checks[i], tainted.get(candidates[i].name), scaled,
+                           found, warn, declared=i < len(found.declared))  # fmt: skip
+
+
+def _kept(pair: PairSpec, found: _Found) -> bool:
+    """Keep a verified pair, unless a verified pair of another layout claims some of its
+    entries: then neither is used, and both say why."""
+    clash = next((p for p in found.pairs if _overlap(pair, p)), None)
+    if clash is None:
+        found.pairs.append(pair)
+        return True
+    found.pairs.remove(clash)
+    found.verified.pop(clash.name, None)
+    reason = (
+        f"{clash.module} and {pair.module} use one parameter in pairs of different "
+        "layouts: no joint pair"
+    )
+    found.dropped += [Dropped(p.module, p.kind, reason, exact=False) for p in (clash, pair)]
+    return False
+
+
+def _scalings(model, run, pairs, cond, seed, uses, ran) -> list[str | None]:
+    """Per pair, which scaling leaves the output unchanged (a scale per head, one for
+    every head), if one does."""
+    out: list[str | None] = [None] * len(pairs)
+    for check_group in CHECKS:
+        todo = [i for i, s in enumerate(out) if s is None]
+        if not todo:
+            break
+        todo_pairs = [pairs[i] for i in todo]
+        modules = dict(model.named_modules())
+        inputs = capture_inputs(model, run, [unit_of(p, modules, uses, ran) for p in todo_pairs])
+        checks = verify_pairs(model, todo_pairs, inputs, cond=cond, seed=seed, uses=uses,
+                              run=run, ran=ran, groups=[check_group] * len(todo))  # fmt: skip
+        for i, c in zip(todo, checks):
+            if c is not None and c.ok and c.conclusive:
+                out[i] = check_group
+    return out
+
+
+def _subject(pair: PairSpec) -> str:
+    """What a pair's features are, in a reason."""
+    if pair.kind.startswith("value-output"):
+        return "values"
+    return "its operands" if pair.kind.startswith("product") else "queries and keys"
+
+
+def _refuted_candidate(pair, check, tainted, scaled, found: _Found, warn, declared) -> None:
+    """The drop of a candidate that its group refutes: where its features went through
+    an op that is not linear (certain), no symmetry of the known groups exists, which
+    the drop says exactly; otherwise one may exist that geosharp does not represent."""
+    if declared and any(_overlap(pair, p) for p in found.pairs):
+        if warn:
+            warnings.warn(
+                f"{pair.name}: dropped, {_refuted(check)}; the layout traced from the forward "
+                "pass is used instead",
+                SymmetryWarning,
+                stacklevel=5,
+            )
+        return
+    reason = _refuted(check)
+    partner = found.clashes.get(pair.name)
+    if partner is not None and not any(p.module == partner for p in found.pairs):
+        # both refuted: each may be a part of one symmetry, not said to be none
+        reason = (
+            f"{pair.module} and {partner} use one parameter in pairs of "
+            f"different layouts: no joint pair ({reason})"
+        )
+    elif tainted is not None and tainted[1] and tainted[0]:
+        h = pair.shape[3]
+        groups = f"{pair.group}({h}) or {orthogonal_part(pair.group)}({h})"
+        rest = (
+            f"only {'one scale for all heads' if scaled == 'scalar-shared' else 'a scale per head'}"
+            " keeps it, which the element-wise geometry respects"
+            if scaled
+            else "no scaling keeps it either"
+        )
+        reason = f"{_subject(pair)} {tainted[0]}: {reason} of {groups}; {rest}"
+        found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=True))
+        return
+    found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
+    if warn:
+        warnings.warn(f"{pair.name}: dropped, {reason}", SymmetryWarning, stacklevel=5)
+
+
+def _classified_phase(model, named, found: _Found) -> None:
+    """Drops for what no verified pair accounts for: features or weight matrices that
+    entered an op the trace cannot read, outside every module a handler declared and
+    every module already said to be not understood; and, where no forward pass ran,
+    every parameter no handler declares."""
+    unknown = found.assembly.unknown if found.assembly is not None else []
+    features = found.assembly.features if found.assembly is not None else {}
+    covered = _runs_union([features[p.name] for p in found.pairs if p.name in features])
+    declared = {n for p in found.pairs if p.name not in features for n in p.params}
+    paired = {n for p in found.pairs for n in p.params}
+    for module, op, params, runs, matrices in unknown:
+        said = {d.module for d in found.dropped if not d.exact}
+        if any(_inside(module, h) for h in found.handled) or any(_related(module, m) for m in said):
+            continue
+        projections = params - matrices
+        if (_runs_within(runs, covered) or projections <= declared) and matrices <= paired:
+            continue
+        what = "projection features" if projections else "weight matrices"
+        reason = (
+            f"{what} of {', '.join(sorted(params)[:2])}"
+            f"{' ...' if len(params) > 2 else ''} enter {op}, which the trace cannot look into "
+            "(discover with eager or sdpa attention, or declare the pairs)"
+        )
+        found.dropped.append(Dropped(module, "all", reason, exact=False))
+    if found.discovery == "structure":  # nothing ran: what no handler declares is unknown
+        outside = [n for n, _ in named if not any(_inside(n, h) for h in found.handled)]
+        if outside:
+            reason = (
+                f"no forward pass ran, so {outside[0]}"
+                f"{f' and {len(outside) - 1} more parameters' if len(outside) > 1 else ''} "
+                "could not be traced: pass a batch, find_symmetries(model, batch)"
+            )
+            found.dropped.append(Dropped("", "all", reason, exact=False))
+
+
+def _reported_phase(named, found: _Found) -> Symmetries:
+    """The symmetries found, with what is left out and why."""
+    assembly = found.assembly
+    unrecognized = list(dict.fromkeys(d.module for d in found.dropped if not d.exact))
+    symmetries = Symmetries(
+        pairs=found.pairs,
+        parameters={n: tuple(p.shape) for n, p in named},
+        unrecognized=unrecognized,
+        attention=found.attention,
+        dropped=found.dropped,
+        verified=found.verified,
+        discovery=found.discovery,
+        trace_error=found.failures[-1] if assembly is None and found.failures else None,
+        idle=[]
+        if assembly is None
+        else [
+            n for n, _ in named
+            if n not in assembly.uses and not any(_inside(n, h) for h in found.handled)
+        ],
+    )  # fmt: skip
+    symmetries.validate()
+    return symmetries
+
+
+def _runs_union(runs: list[Tensor]) -> Tensor:
+    if not runs:
+        return torch.zeros(0, 2, dtype=torch.long)
+    joined = torch.cat(runs)
+    return joined[torch.argsort(joined[:, 0])]
+
+
+def _runs_within(runs: Tensor, covered: Tensor) -> bool:
+    """Whether every id of ``runs`` lies in a run of ``covered`` (sorted by start)."""
+    if not len(runs):
+        return True
+    if not len(covered):
+        return False
+    reach = torch.cummax(covered[:, 1], 0).values
+    for start, stop in runs.tolist():
+        i = int(torch.searchsorted(covered[:, 0], torch.tensor(start), right=True)) - 1
+        if i < 0 or int(reach[i]) < stop:
+            return False
+        # every id of [start, stop) covered: walk the runs that start inside it
+        position = start
+        for a, b in covered[: i + 1].tolist()[::-1]:
+            if a <= position < b:
+                position = b
+                break
+        while position < stop:
+            j = int(torch.searchsorted(covered[:, 0], torch.tensor(position), right=True)) - 1
+            if j < 0 or int(reach[j]) <= position:
+                return False
+            position = max(position + 1, int(reach[j]))
+    return True
 
 
 def verify_symmetries(
@@ -402,7 +619,7 @@ def _traced_parts(model: nn.Module, meta: bool):
         assembly = _traced(part, lambda p=part, x=inputs: _call(p, x), meta, True, warn=False)
         if assembly is None:
             continue
-        found.append(_prefixed(assembly, name))
+        found.append(_prefixed(assembly, name, len(found) << 44))
         runs.append(lambda p=part, x=inputs: _call(p, x))
     if not found:
         return None, None
@@ -414,12 +631,15 @@ def _traced_parts(model: nn.Module, meta: bool):
         [o for a in found for o in a.opaque],
         {k: v for a in found for k, v in a.uses.items()},
         [u for a in found for u in a.unknown],
+        {k: v for a in found for k, v in a.tainted.items()},
+        {k: v for a in found for k, v in a.features.items()},
     )
     return merged, lambda: [run() for run in runs]
 
 
-def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
-    """An assembly of a sub-model, named from the whole model."""
+def _prefixed(assembly: Assembly, prefix: str, offset: int = 0) -> Assembly:
+    """An assembly of a sub-model, named from the whole model, its feature ids moved by
+    ``offset`` (each sub-model's trace numbers its own from 1)."""
 
     def name(n: str) -> str:
         return f"{prefix}.{n}" if n else prefix
@@ -437,6 +657,7 @@ def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
         for p in assembly.pairs
     ]
     dropped = [Dropped(name(d.module), d.kind, d.reason, d.exact) for d in assembly.dropped]
+    renamed = {p.name: q.name for p, q in zip(assembly.pairs, pairs)}
     return Assembly(
         pairs,
         [name(m) for m in assembly.attention],
@@ -444,7 +665,12 @@ def _prefixed(assembly: Assembly, prefix: str) -> Assembly:
         {name(m) for m in assembly.ran},
         [(name(m), op) for m, op in assembly.opaque],
         {name(p): {name(m) if m != LOSS else m for m in ms} for p, ms in assembly.uses.items()},
-        [(name(m), r, frozenset(map(name, ps))) for m, r, ps in assembly.unknown],
+        [
+            (name(m), r, frozenset(map(name, ps)), runs + offset, frozenset(map(name, mats)))
+            for m, r, ps, runs, mats in assembly.unknown
+        ],
+        {renamed[k]: v for k, v in assembly.tainted.items()},
+        {renamed[k]: v + offset for k, v in assembly.features.items()},
     )
 
 
@@ -472,6 +698,8 @@ def _trace_meta(model: nn.Module, run) -> Tracer:
 
 def _verify(model, run, pairs, cond, seed, uses, ran=None):
     """The check of each pair (``None`` where its unit did not run)."""
+    if not pairs:
+        return []
     modules = dict(model.named_modules())
     inputs = capture_inputs(model, run, [unit_of(p, modules, uses, ran) for p in pairs])
     return verify_pairs(model, pairs, inputs, cond=cond, seed=seed, uses=uses, run=run, ran=ran)
@@ -511,12 +739,13 @@ def _unverified(check) -> str:
     )
 
 
-def _merged(pairs: list[PairSpec]) -> tuple[list[PairSpec], list[Dropped]]:
+def _merged(pairs: list[PairSpec]) -> tuple[list[PairSpec], dict[str, str]]:
     """Traced pairs that claim common entries (one projection module shared by two
     layers): one joint pair where one side's blocks are the same (the other sides
-    stacked), else both dropped with the reason."""
+    stacked), else both kept for verification and their clash recorded (per pair name,
+    the module of the other)."""
     out: list[PairSpec] = []
-    dropped: list[Dropped] = []
+    clashes: dict[str, str] = {}
     for pair in pairs:
         clash = next((i for i, p in enumerate(out) if _overlap(pair, p)), None)
         if clash is None:
@@ -538,13 +767,9 @@ def _merged(pairs: list[PairSpec]) -> tuple[list[PairSpec], list[Dropped]]:
                 continue
             except ValueError:
                 pass
-        out.pop(clash)
-        reason = (
-            f"{other.module} and {pair.module} use one parameter in pairs of different "
-            "layouts: no joint pair"
-        )
-        dropped += [Dropped(p.module, p.kind, reason, exact=False) for p in (other, pair)]
-    return out, dropped
+        clashes[pair.name], clashes[other.name] = other.module, pair.module
+        out.append(pair)  # verification decides; two that both hold are said
+    return out, clashes
 
 
 def _same_blocks(a: tuple[Block, ...], b: tuple[Block, ...]) -> bool:

@@ -33,25 +33,47 @@ __all__ = [
     "positions",
 ]
 
-GROUPS = ("GL", "rotary", "rotary-interleaved")
-"""Symmetry groups a pair may declare: the full ``GL(h)``, or the subgroup left by
-rotary position embeddings, with planes ``(j, j + h/2)`` ("rotate half", LLaMA,
-GPT-NeoX) or ``(2j, 2j + 1)`` (interleaved, GPT-J, CodeGen)."""
+GROUPS = (
+    "GL",
+    "rotary",
+    "rotary-interleaved",
+    "orthogonal",
+    "rotary-orthogonal",
+    "rotary-interleaved-orthogonal",
+)
+"""Symmetry groups a pair may declare: the full ``GL(h)``; the subgroup left by rotary
+position embeddings, complex scalars on planes ``(j, j + h/2)`` ("rotate half", LLaMA,
+GPT-NeoX) or ``(2j, 2j + 1)`` (interleaved, GPT-J, CodeGen); the orthogonal group
+``O(h)``, left by queries and keys normalised without a learned weight (cosine
+attention); and its intersection with a rotary group, a rotation on each plane (a
+normalisation and rotary embeddings)."""
 
 
 def rotary_planes(group: str, h: int) -> tuple[Tensor, Tensor]:
     """The planes ``(j, j')`` on which a rotary group acts: two int64 vectors of ``h/2``."""
     half = torch.arange(h // 2)
-    if group == "rotary-interleaved":
+    if group.startswith("rotary-interleaved"):
         return 2 * half, 2 * half + 1
     return half, half + h // 2
+
+
+def is_rotary(group: str) -> bool:
+    """Whether ``group`` acts on rotary planes."""
+    return group.startswith("rotary")
+
+
+def orthogonal_part(group: str) -> str:
+    """The intersection of ``group`` with the orthogonal group."""
+    if group.endswith("orthogonal"):
+        return group
+    return "orthogonal" if group == "GL" else f"{group}-orthogonal"
 
 
 def check_group(group: str, h: int) -> None:
     """Raise unless ``group`` is known and fits ``h`` columns."""
     if group not in GROUPS:
         raise ValueError(f"unknown symmetry group {group!r}: use one of {', '.join(GROUPS)}")
-    if group != "GL" and h % 2:
+    if is_rotary(group) and h % 2:
         raise ValueError(f"the rotary group needs an even head dimension, got h={h}")
 
 
@@ -247,9 +269,11 @@ class PairSpec:
 
     ``kind`` names the role (``"query-key"``, ``"value-output"``, ``"lora"``, ...).
     ``group`` is the symmetry group acting as ``(G, H) -> (G A, H A^{-T})``: ``"GL"``
-    (every invertible ``A``) or ``"rotary"`` (``A`` a complex scalar on each plane
+    (every invertible ``A``), ``"rotary"`` (``A`` a complex scalar on each plane
     ``(j, j + h/2)``: the query/key symmetry left by rotary position embeddings,
-    MATH.md section 1). ``note`` is free text for :meth:`Symmetries.summary`.
+    MATH.md section 1), ``"orthogonal"`` (``A`` orthogonal: queries and keys normalised
+    without a weight) or another of :data:`GROUPS`. ``note`` is free text for
+    :meth:`Symmetries.summary`.
     ``query_heads``: the query heads each stacked block holds (grouped-query attention
     stacks several on one key/value head; 1 otherwise).
     """

@@ -153,10 +153,13 @@ def verify_pairs(
     uses: Mapping[str, set[str]] | None = None,
     run: Callable[[], object] | None = None,
     ran: set[str] | None = None,
+    groups: Sequence[str] | None = None,
 ) -> list[Verification | None]:
     """Check every pair whose unit's inputs were captured (see the module docstring);
     returns the checks in the order of ``pairs`` (``None``: its unit did not run).
-    ``run``: the forward pass, for pairs whose unit is :data:`LOSS`."""
+    ``run``: the forward pass, for pairs whose unit is :data:`LOSS`; ``groups``: per
+    pair, the group whose elements to try instead of its own (a subgroup, or a check of
+    :data:`~geosharp.symmetry.groups.CHECKS`)."""
     modules = dict(model.named_modules())
     by_unit: dict[str, list[int]] = defaultdict(list)
     for i, pair in enumerate(pairs):
@@ -170,8 +173,14 @@ def verify_pairs(
             args, kwargs = inputs[unit]
             unit_pairs = [pairs[i] for i in indices]
             elements = [
-                random_group_elements(p.group, p.shape[0], p.shape[3], cond, generator)
-                for p in unit_pairs
+                random_group_elements(
+                    p.group if groups is None else groups[i],
+                    p.shape[0],
+                    p.shape[3],
+                    cond,
+                    generator,
+                )
+                for i, p in zip(indices, unit_pairs)
             ]
             if unit == LOSS:
                 target, prefix = model, ""
