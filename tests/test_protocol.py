@@ -1,7 +1,8 @@
 """One property suite over every pair state: the contract of the geometry protocol.
 
-Every state (``inv``, ``inv`` with ``eps``, ``mix``, their rotary restrictions, and the
-weighted ``mix`` metric that ``docs/architecture.md`` adds as its example) must satisfy:
+Every state (``inv``, ``inv`` with ``eps``, ``mix``, their rotary and orthogonal
+restrictions, and the weighted ``mix`` metric that ``docs/architecture.md`` adds as its
+example) must satisfy:
 
 * ``inner`` symmetric and positive, ``norm`` its square root;
 * the horizontal projection: zero residual, idempotent, g-orthogonal, kills ``V(L)``;
@@ -49,7 +50,7 @@ METRICS = {
     "mix": lambda: MixMetric(),
     "wmix (docs)": lambda: docs_example()["WeightedMix"](lam=2.5),
 }
-STATES = [(name, group) for name in METRICS for group in ("GL", "rotary")]
+STATES = [(name, group) for name in METRICS for group in ("GL", "rotary", "orthogonal")]
 
 
 def pair(seed: int, B: int = 2, n: int = 6, m: int = 5, h: int = 4):

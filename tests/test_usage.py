@@ -614,12 +614,24 @@ def _causal_lm(path, kind="gpt2"):
         config = GPT2Config(vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2,
                             n_positions=64, bos_token_id=256, eos_token_id=256)  # fmt: skip
         model = GPT2LMHeadModel(config)
-    else:
+    elif kind == "llama":
         config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32,
                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64, bos_token_id=256, eos_token_id=256,
                              pad_token_id=None)  # fmt: skip
         model = LlamaForCausalLM(config)
+    else:  # DeepSeek-V3 in bfloat16: its router stays float32 where transformers loads it
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config = DeepseekV3Config(
+            vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=8,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=64, n_group=2,
+            topk_group=1, bos_token_id=256, eos_token_id=256, pad_token_id=None,
+        )  # fmt: skip
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     tokenizer = GPT2TokenizerFast(vocab=vocab, merges=[])
     tokenizer.eos_token = "<|endoftext|>"

@@ -12,6 +12,7 @@ module: the others keep the swapped tensors.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -30,12 +31,14 @@ __all__ = [
     "evaluation_mode",
     "frozen_except",
     "functional_loss",
+    "keeping_tensors",
     "loss_value",
     "owning_modules",
     "plain_copy",
     "require_grad",
     "scalar_loss",
     "swapped",
+    "tensors_kept",
 ]
 
 LossFunction = Callable[[nn.Module, object], Tensor]
@@ -121,16 +124,25 @@ class FunctionalLoss:
     """
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
+        self,
+        model: nn.Module,
+        loss_fn: LossFunction,
+        base: Mapping[str, Tensor] | None = None,
+        narrow: Mapping[str, torch.dtype] | None = None,
     ):
         self.model, self.loss_fn, self.base = model, loss_fn, base
+        self.narrow = dict(narrow or {})
 
     def __call__(self, params: Mapping[str, Tensor], batch: object) -> Tensor:
         with self.holding(params):
             return self.loss_fn(self.model, batch)
 
     def holding(self, params: Mapping[str, Tensor]):
-        """The model computes with ``params`` (and ``base``) inside."""
+        """The model computes with ``params`` (and ``base``) inside; those named in
+        ``narrow`` cast (differentiably) to the dtype their module computes in (a
+        float32 router of a float64 model)."""
+        if self.narrow:
+            params = {n: t.to(self.narrow[n]) if n in self.narrow else t for n, t in params.items()}
         return swapped(self.model, params, self.base)
 
     def loss(self, batch: object) -> Tensor:
@@ -139,10 +151,69 @@ class FunctionalLoss:
 
 
 def functional_loss(
-    model: nn.Module, loss_fn: LossFunction, base: Mapping[str, Tensor] | None = None
+    model: nn.Module,
+    loss_fn: LossFunction,
+    base: Mapping[str, Tensor] | None = None,
+    narrow: Mapping[str, torch.dtype] | None = None,
 ) -> FunctionalLoss:
     """:class:`FunctionalLoss` of ``model`` and ``loss_fn``."""
-    return FunctionalLoss(model, loss_fn, base)
+    return FunctionalLoss(model, loss_fn, base, narrow)
+
+
+def keeping_tensors(function):
+    """``function(model, ...)`` inside :func:`tensors_kept` (not for a model sharded
+    with FSDP2, whose own hooks swap its parameters' objects)."""
+
+    @functools.wraps(function)
+    def wrapper(model, *args, **kwargs):
+        if not isinstance(model, nn.Module) or any(
+            hasattr(p, "full_tensor") for p in model.parameters()
+        ):
+            return function(model, *args, **kwargs)
+        with tensors_kept(model):
+            return function(model, *args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def tensors_kept(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` comes back as the object, dtype and
+    memory it was, also where the model's own forward converts one (a router that casts
+    its classifier to float32 in its first forward: NLLB-MoE, Switch Transformers), and
+    on error.
+
+    >>> import torch
+    >>> class CastsItself(torch.nn.Linear):
+    ...     def forward(self, x):
+    ...         self.float()  # as such routers do
+    ...         return super().forward(x.float())
+    >>> layer = CastsItself(2, 2).double()
+    >>> with tensors_kept(layer):
+    ...     _ = layer(torch.ones(1, 2, dtype=torch.float64))
+    ...     layer.weight.dtype
+    torch.float32
+    >>> layer.weight.dtype
+    torch.float64
+    """
+    tables = []
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            table = module.__dict__[kind]
+            tables.append((table, dict(table)))
+    data = {id(t): (t, t.data) for t in {id(t): t for _, saved in tables for t in saved.values()
+                                         if t is not None}.values()}  # fmt: skip
+    try:
+        yield
+    finally:
+        for table, saved in tables:
+            for key, value in saved.items():
+                if table.get(key) is not value:
+                    table[key] = value
+        for t, original in data.values():
+            if t.dtype != original.dtype or t.data_ptr() != original.data_ptr():
+                with torch.no_grad():
+                    t.data = original
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ from ..params import (
     evaluation_mode,
     frozen_except,
     functional_loss,
+    keeping_tensors,
 )
 from ..symmetry.pairs import Symmetries
 from .fsdp import is_sharded
@@ -99,6 +100,7 @@ class HessianTraceResult:
 
 
 @torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
+@keeping_tensors
 def hessian_trace(
     model: nn.Module,
     batches: Iterable,
@@ -162,7 +164,10 @@ def hessian_trace(
     ):
         space = PerturbationSpace(theta, layout, target.pairs, geo, dtype=target.dtype)
         evaluate = functional_loss(
-            model, loss_fn, float32_copies(model, target.named) if target.upcast else None
+            model,
+            loss_fn,
+            float32_copies(model, target.named) if target.upcast else None,
+            target.narrow,
         )
         for index, batch in numbered(batches, max_batches, progress, "hessian trace", total):
             del index

@@ -239,9 +239,12 @@ def label_of(geo: Geometry) -> str:
 @dataclass
 class Target:
     """What a measure works on: the perturbed parameters, their pairs and layout, and
-    ``theta``, the model's own tensors (read, never written, never copied: a
-    half-precision model, ``upcast``, is measured in float32 ``dtype`` by reading them
-    in it piece by piece, exactly)."""
+    ``theta``, the model's own tensors (read, never written, never copied). The
+    perturbation lives in ``dtype``, float32 or the widest of the parameters' dtypes: a
+    half-precision parameter (of dtype ``half``; ``upcast``) is read in it piece by
+    piece, exactly, and computes in float32; a parameter whose own dtype is narrower
+    than ``dtype`` but not half (a float32 router of a float64 model) is cast to it
+    for its forward (``narrow``)."""
 
     named: list[tuple[str, Tensor]]
     pairs: list
@@ -253,10 +256,58 @@ class Target:
     symmetries: Symmetries | None = None
     shards: Shards | None = None  # a sharded model: this process's slices
     local: list[Tensor] = field(default_factory=list)  # ... the model's own
+    half: torch.dtype | None = None
+    narrow: dict[str, torch.dtype] = field(default_factory=dict)
+
+    @property
+    def halves(self) -> list[tuple[str, Tensor]]:
+        """The perturbed parameters in half precision."""
+        return [(n, t) for n, t in self.named if t.dtype == self.half]
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def perturbation_dtypes(named: list[tuple[str, Tensor]]):
+    """``(dtype, half, narrow)`` of a target (see :class:`Target`): the perturbation's
+    dtype, the half precision of its parameters in it (the most common, where both
+    are), and the parameters that compute in a dtype narrower than ``dtype``, with it.
+
+    >>> import torch
+    >>> named = [("w", torch.zeros(2, dtype=torch.bfloat16)), ("router", torch.zeros(2))]
+    >>> perturbation_dtypes(named)
+    (torch.float32, torch.bfloat16, {})
+    >>> wide = torch.zeros(2, dtype=torch.float64)
+    >>> perturbation_dtypes([("w", wide), ("router", torch.zeros(2))])
+    (torch.float64, None, {'router': torch.float32})
+    """
+    dtype = functools.reduce(
+        torch.promote_types, [torch.float32, *(t.dtype for _, t in named if t.dtype not in HALF)]
+    )
+    halves = [t.dtype for _, t in named if t.dtype in HALF]
+    half = max(set(halves), key=halves.count) if halves else None
+    narrow = {}
+    for name, t in named:
+        computes = torch.float32 if t.dtype in HALF else t.dtype
+        if computes != dtype:
+            narrow[name] = computes
+    return dtype, half, narrow
 
     def local_flat(self) -> Tensor:
         """A flat copy of this process's slices (a sharded model)."""
         return torch.cat([t.detach().reshape(-1) for t in self.local])
+
+
+def settle(model: nn.Module, batch: object, loss_fn: LossFunction) -> None:
+    """One forward pass without gradient before the measure reads the parameters'
+    dtypes: a model whose own forward converts a parameter (a router cast to float32
+    in its first forward) is measured in the dtypes it computes in (discovery runs one
+    where the measure has pairs; :func:`~geosharp.params.tensors_kept` puts the model's
+    tensors back after the measure)."""
+    from ..params import evaluation_mode, frozen_except
+
+    with torch.no_grad(), evaluation_mode(model), frozen_except(model, []):
+        loss_fn(model, batch)
 
 
 def check_model(model: object) -> None:
@@ -308,6 +359,8 @@ def find_target(
             symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
         else:
             symmetries = find_symmetries(model, warn=False)
+    elif probe is not None and not sharded:
+        settle(model, *probe)
     if pairs_only:
         parameters = pair_parameters(model, symmetries)
     named = perturbed_parameters(model, parameters)
@@ -316,31 +369,30 @@ def find_target(
         if geo.metric is not None and symmetries is not None
         else []
     )
-    dtype = functools.reduce(torch.promote_types, (t.dtype for _, t in named))
     if geo.metric is not None and symmetries is not None:
         say_ignored(symmetries, label_of(geo), strict)
-    upcast = dtype in (torch.float16, torch.bfloat16)
-    if upcast:
-        dtype = torch.float32
+    dtype, half, narrow = perturbation_dtypes(named)
+    upcast = half is not None
     if sharded:  # theta: the model's own slices (a measure that writes them copies them)
         check_shardable(*unsupported)
+        if narrow or (half is not None and len({t.dtype for _, t in named}) > 1):
+            raise UsageError(
+                "the perturbed parameters of this sharded model come in several dtypes "
+                f"({', '.join(sorted({str(t.dtype).removeprefix('torch.') for _, t in named}))}"
+                "): measure it unsharded, or perturb parameters of one dtype (parameters=...)"
+            )
         shards, local = local_shards(named)
         theta = {n: t.detach() for (n, _), t in zip(named, local)}
         device = local[0].device
         return Target(
-            named, pairs, shards.local, dtype, upcast, theta, device, symmetries, shards, local
-        )
+            named, pairs, shards.local, dtype, upcast, theta, device, symmetries, shards, local,
+            half,
+        )  # fmt: skip
     theta = {n: t.detach() for n, t in named}
     return Target(
-        named,
-        pairs,
-        ParameterLayout.from_named(named),
-        dtype,
-        upcast,
-        theta,
-        named[0][1].device,
-        symmetries,
-    )
+        named, pairs, ParameterLayout.from_named(named), dtype, upcast, theta,
+        named[0][1].device, symmetries, half=half, narrow=narrow,
+    )  # fmt: skip
 
 
 def checked_rho(rho: object) -> float:
@@ -584,13 +636,18 @@ def _overwritten(in_place: bool):
 class Widened(Mapping):
     """``{name: tensor}`` whose tensors are read in ``dtype`` on each access (the
     unperturbed point of a half-precision model, for a float32 forward: a copy only
-    while it is used)."""
+    while it is used); those named in ``narrow`` in their own."""
 
-    def __init__(self, tensors: Mapping[str, Tensor], dtype: torch.dtype):
-        self.tensors, self.dtype = tensors, dtype
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        dtype: torch.dtype,
+        narrow: Mapping[str, torch.dtype] | None = None,
+    ):
+        self.tensors, self.dtype, self.narrow = tensors, dtype, dict(narrow or {})
 
     def __getitem__(self, name: str) -> Tensor:
-        return self.tensors[name].to(self.dtype)
+        return self.tensors[name].to(self.narrow.get(name, self.dtype))
 
     def __iter__(self):
         return iter(self.tensors)

@@ -31,6 +31,7 @@ from ..params import (
     evaluation_mode,
     frozen_except,
     functional_loss,
+    keeping_tensors,
 )
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
@@ -128,6 +129,7 @@ class SharpnessResult:
 
 
 @torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
+@keeping_tensors
 def sharpness(
     model: nn.Module,
     batches: Iterable,
@@ -247,7 +249,7 @@ def sharpness(
         unsupported=(entries, distributed),
     )  # fmt: skip
     mixed = (
-        MixedPrecision.plan(model, target.named, target.named[0][1].dtype)
+        MixedPrecision.plan(model, target.halves, target.half)
         if target.upcast and target.shards is None and autocast_dtype is None
         else None
     )
@@ -309,7 +311,7 @@ def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGat
     if target.shards is None:
         return None
     if target.upcast or leaf_owners(model, target.named) is None:
-        half = target.named[0][1].dtype if target.upcast else None
+        half = target.half
         gathered = ShardedGathered(model, target.named, target.shards, loss_fn, half)
         if gathered.checkable:
             elsewhere = gathered.read_elsewhere(Widened(target.theta, target.dtype), batch)
@@ -387,6 +389,9 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
         precision = f"float32 in the perturbed modules, {name(half)} elsewhere"
     else:
         precision = name(target.dtype)
+    if target.narrow and autocast_dtype is None:  # a float32 router beside float64 weights
+        own = sorted({name(d) for d in target.narrow.values()})
+        precision += f"; {len(target.narrow)} parameters in {', '.join(own)}, as their modules"
     return dict(
         metric=geo.metric.name if geo.metric is not None else None,
         estimator=repr(estimator),
@@ -425,13 +430,16 @@ def _measurement(
         evaluate, theta = sharded.evaluate, target.layout.unflatten(theta)
     else:
         base = mixed.base if mixed is not None else None
-        if target.upcast:  # the half-precision weights, read in float32 where evaluated
-            theta = Widened(theta, target.dtype)
-            if mixed is None:
+        if target.upcast or target.narrow:  # each read in the dtype it is evaluated in
+            theta = Widened(theta, target.dtype, target.narrow)
+            if mixed is None and target.upcast:
                 base = float32_copies(model, target.named)
-        evaluate = functional_loss(model, loss_fn, base)
-    # the rest of a half-precision model computes in its own precision, ``half``
-    floor_dtype = half or target.dtype
+        evaluate = functional_loss(model, loss_fn, base, target.narrow)
+    # the rest of a half-precision model computes in its own precision, ``half``; a
+    # parameter narrower than the perturbation's dtype computes in its own
+    floor_dtype = half or max(
+        [target.dtype, *target.narrow.values()], key=lambda d: torch.finfo(d).eps
+    )
     return Measurement(
         evaluate, space, target.layout, theta, rho, seed,
         autocast_for(target.device, autocast_dtype),

@@ -173,12 +173,24 @@ class _Builder:
             taint = side.taint
             raise _NotPair(f"{what} {_reason(taint.reason)}", exact=taint.certain)
         ids = side.ids[:, :, cols, :]
+        if bool((ids < 0).any()):
+            raise _NotPair(f"{what} hold an activation or a constant that no projection made")
         feats = (ids > 0) & (ids < PARAM_BASE)
         token_has = feats[..., 0]  # (slices, tokens, columns): slot 0 holds a feature
         full = token_has.all(-1)
         empty = ~feats.any(-1).any(-1)
-        if bool((~full & ~empty).any()) or not bool(full.any(1).all()):
+        zero = ~(ids != 0).flatten(1).any(1)  # a slice of zeros (padding): no node
+        if bool(zero.all()):
+            raise _NotPair(f"{what} hold no projection feature")
+        if bool((~full & ~empty).any()) or not bool((full.any(1) | zero).all()):
             raise _NotPair(f"{what} have a column that holds no projection feature")
+        if bool(zero.any()):
+            kept = torch.nonzero(~zero).flatten()
+            nodes = self.slice_nodes(Side(side.ids[kept], side.taint), cols, what)
+            out: list[_Node | None] = [None] * len(ids)
+            for i, node in zip(kept.tolist(), nodes):
+                out[i] = node
+            return out
         first = full.to(torch.int8).argmax(1)  # a token with features, per slice
         reference = torch.where(feats, ids, torch.zeros_like(ids))
         ref = reference[torch.arange(len(ids)), first]  # (slices, columns, slots)
@@ -422,8 +434,9 @@ class _Builder:
             for b in range(left.batch):
                 for i in range(left.stacked):
                     for j in range(right.stacked):
-                        a = lnodes[b * left.stacked + i]
-                        graph.edge(a, rnodes[b * right.stacked + j], core.module, kind)
+                        a, z = lnodes[b * left.stacked + i], rnodes[b * right.stacked + j]
+                        if a is not None and z is not None:  # no padding
+                            graph.edge(a, z, core.module, kind)
 
     # -- value/output ----------------------------------------------------------------------
 
@@ -460,7 +473,8 @@ class _Builder:
         for cols in self.column_groups([side]):
             if len(cols) != side.ids.shape[2]:
                 raise _NotPair("a value head's columns come from different projections")
-            nodes = list({n.key: n for n in self.slice_nodes(side, cols, "values")}.values())
+            found = [n for n in self.slice_nodes(side, cols, "values") if n is not None]
+            nodes = list({n.key: n for n in found}.values())
         if not consumers:
             reason = self.taints.reason(torch.cat([n.features for n in nodes]))
             if reason is not None:

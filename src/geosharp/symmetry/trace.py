@@ -95,6 +95,10 @@ into."""
 PARAM_BASE = 1 << 40
 """Slot ids at or above this are parameter entries: ``(index + 1) * PARAM_BASE + position``."""
 
+OTHER = -1
+"""The slot id of an element that holds an activation or a constant, not features
+(concatenated beside them, say); 0 is an element that holds nothing: zero."""
+
 _MATERIALISE = 1 << 22  # at most this many positions of a parameter view are listed
 _I64 = torch.int64
 
@@ -1338,12 +1342,15 @@ class Tracer:
         for k in range(n_slots):
             if single is not None:  # one tensor moved (a view, reshape, ...): no substitution
                 slot = single.slots[k]
+                rest, named = args[1:], kwargs
                 if func_name(func) == "as_strided":  # strides of the real tensor's storage
                     slot = _laid_out_like(slot, args[0])
+                if func_name(func) == "pad":  # a constant pad holds nothing if zero
+                    rest, named = _padding(args, kwargs, k)
                 try:
-                    moved = func(slot, *args[1:], **kwargs)
+                    moved = func(slot, *rest, **named)
                 except RuntimeError:  # a view the slot's own strides do not allow
-                    moved = func(slot.contiguous(), *args[1:], **kwargs)
+                    moved = func(slot.contiguous(), *rest, **named)
             else:
                 moved = func(*self.slot_args(args, k, part), **self.slot_args(kwargs, k, part))
             slot_outs.append(_tensors(moved))
@@ -1357,8 +1364,8 @@ class Tracer:
 
     def slot_args(self, obj, k: int, part: str | None = None):
         """``obj`` with each tensor replaced by slot ``k`` of its shadow: features' ids,
-        a parameter's entries (slot 0), zeros for anything else; indices and masks as
-        they are."""
+        a parameter's entries (slot 0), :data:`OTHER` in slot 0 of an activation or a
+        constant (zeros of one known to be zero); indices and masks as they are."""
 
         def replace(x):
             if not isinstance(x, Tensor):
@@ -1378,7 +1385,8 @@ class Tracer:
                 if x.is_meta or _is_fake(x):
                     raise _Unsupported("indexing by a tensor whose values are unknown")
                 return x.detach().cpu()  # an index or mask
-            return torch.zeros(x.shape, dtype=_I64)
+            filler = OTHER if k == 0 and s is not ZERO else 0
+            return torch.full(x.shape, filler, dtype=_I64)
 
         return tree_map(replace, obj)
 
@@ -1790,7 +1798,7 @@ class Tracer:
     def core(self, sl, ll, sr, lr, lo, contracted, shape) -> Shadow:
         """Two projections contracted over their features: a core."""
         for s, letters in ((sl, ll), (sr, lr)):
-            if isinstance(s, Feat) and _constant_along(s, letters, contracted):
+            if isinstance(s, Feat) and _features_constant_along(s, letters, contracted):
                 reason = f"projections contracted over tokens in {self.here}"
                 self.unknown([sl, sr], reason)
                 return self.taint([sl, sr], reason, False)
@@ -1820,7 +1828,13 @@ class Tracer:
             )
             return s
         if not _features_constant_along(s, letters, contracted):
-            return self.taint([s], f"features mixed over their columns in {self.here}", False)
+            mixed_in = any(bool((slot == OTHER).any()) for slot in s.slots)
+            what = (
+                "features mixed with an activation or a constant"
+                if mixed_in
+                else "features mixed over their columns"
+            )
+            return self.taint([s], f"{what} in {self.here}", False)
         free = "".join(c for c in letters if c not in contracted)
         slices = [c for c in lo if c in free and c in other]
         cols = [c for c in free if c not in slices]
@@ -1932,6 +1946,19 @@ def _bound(op: Op, names: tuple[str, ...]) -> list:
 
 def func_name(func) -> str:
     return _name(func)
+
+
+def _padding(args: tuple, kwargs: dict, k: int) -> tuple[tuple, dict]:
+    """The arguments of ``F.pad`` for slot ``k``: a constant pad's value as an id (0 for
+    zero, which holds nothing; :data:`OTHER` in slot 0 for any other constant)."""
+    names = ("pad", "mode", "value")
+    bound = dict(zip(names, args[1:]))
+    bound.update({n: v for n, v in kwargs.items() if n in names})
+    if bound.get("mode", "constant") != "constant":
+        return args[1:], kwargs
+    value = bound.get("value") or 0
+    bound["value"] = 0 if value == 0 or k > 0 else OTHER
+    return (), bound
 
 
 def _laid_out_like(slot: Tensor, x: Tensor) -> Tensor:
@@ -2228,7 +2255,17 @@ def _varies(t: Tensor, letters: str, c: str) -> bool:
 
 
 def _varies_any(f: Feat, dim: int) -> bool:
-    return any(s.shape[dim] > 1 and not bool((s == s.narrow(dim, 0, 1)).all()) for s in f.slots)
+    """Whether some slot of ``f`` changes along axis ``dim`` where it holds a term
+    (zeros, padding, hold none)."""
+    for s in f.slots:
+        if s.shape[dim] < 2:
+            continue
+        present = s != 0
+        hi = torch.where(present, s, torch.full_like(s, -(1 << 62))).amax(dim, keepdim=True)
+        lo = torch.where(present, s, torch.full_like(s, 1 << 62)).amin(dim, keepdim=True)
+        if bool(((hi != lo) & present.any(dim, keepdim=True)).any()):
+            return True
+    return False
 
 
 def _constant_along(s: Feat, letters: str, axes: str) -> bool:
@@ -2269,8 +2306,8 @@ def _features_constant_along(s: Feat, letters: str, axes: str) -> bool:
             )
             if bool(((hi != lo) & is_feat.any(dim, keepdim=True)).any()):
                 return False
-            # a position without features where others have them: an activation mixed in
-            if bool((is_feat.any(dim, keepdim=True) & ~is_feat & (slot == 0)).any()):
+            # an activation or constant where others hold features: mixed in
+            if bool((is_feat.any(dim, keepdim=True) & (slot == OTHER)).any()):
                 return False
     return True
 
