@@ -2,7 +2,7 @@
 
     python benchmarks/bench_discovery.py [--json out.json] [--families bert,llama,...]
 
-1. The 68 families of ``tests/hf_zoo.py`` (tiny, float64, one batch of 2): per family the
+1. The 74 families of ``tests/hf_zoo.py`` (tiny, float64, one batch of 2): per family the
    time of ``find_symmetries`` with and without verification (their difference is the
    cost of verification), the pairs found, the largest relative output change of a
    verified pair under a random transform in its group (cond 10) and the smallest
@@ -10,6 +10,8 @@
    of the model's logits when every pair is transformed at once.
 2. LLaMA-3-70B's config (80 layers, 64 heads, 8 key/value heads, width 8192) built on
    the ``meta`` device: discovery without weights, best of 5 runs.
+3. The attention written by hand of ``tests/attention_zoo.py``: per case the pairs
+   found, whether the result is complete, and the time of ``find_symmetries`` (best of 3).
 
 Timings are for one thread; run on a quiet machine.
 """
@@ -85,6 +87,34 @@ def families(names: list[str] | None) -> list[dict]:
     return rows
 
 
+def hand_written(repeats: int = 3) -> list[dict]:
+    from attention_zoo import CASES, build, loss_fn
+
+    rows = []
+    for case in CASES:
+        model, x = build(case)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sym = find_symmetries(model, x, loss_fn=loss_fn, warn=False)
+            times.append(time.perf_counter() - start)
+        rows.append(
+            dict(
+                case=case.name, outcome=case.outcome, expect=case.expect,
+                pair_blocks=len(sym.pairs), complete=sym.complete,
+                exact_drops=sum(d.exact for d in sym.dropped), seconds=min(times),
+                groups=sorted(p.group for p in sym.pairs),
+            )
+        )  # fmt: skip
+        r = rows[-1]
+        print(
+            f"{r['case']:<30} {r['pair_blocks']}/{r['expect']} pair blocks  complete "
+            f"{r['complete']!s:<5}  {r['exact_drops']} exact drops  {1e3 * r['seconds']:6.1f} ms",
+            flush=True,
+        )
+    return rows
+
+
 def meta_70b(repeats: int = 5) -> dict:
     import transformers as tf
 
@@ -112,12 +142,12 @@ def meta_70b(repeats: int = 5) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the measurements here")
-    parser.add_argument("--families", help="comma-separated names (default: all 68)")
+    parser.add_argument("--families", help="comma-separated names (default: all 74)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     names = args.families.split(",") if args.families else None
-    out = dict(families=families(names), meta_70b=meta_70b())
+    out = dict(families=families(names), meta_70b=meta_70b(), hand_written=hand_written())
     rows = out["families"]
     print(
         f"{len(rows)} families: {sum(r['not_understood'] == 0 for r in rows)} with every "

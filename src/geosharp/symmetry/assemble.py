@@ -158,6 +158,10 @@ class _Builder:
             ids = side.ids[0]  # (tokens, columns, slots)
             feats = (ids > 0) & (ids < PARAM_BASE)
             src = torch.where(feats, self.source_of(ids), torch.full_like(ids, -1))
+            present = src[src >= 0]
+            if not len(present) or bool((present == present[0]).all()):  # one projection
+                signature.append([()] * ids.shape[1])
+                continue
             signature.append([tuple(sorted(set(src[:, c].reshape(-1).tolist()) - {-1}))
                               for c in range(ids.shape[1])])  # fmt: skip
         keys = list(zip(*signature))
@@ -198,26 +202,48 @@ class _Builder:
         if not bool(same.all()):
             raise _NotPair(f"{what} hold different features at different tokens")
         unique, inverse = torch.unique(ref.reshape(len(ref), -1), dim=0, return_inverse=True)
+        first = torch.full((len(unique),), len(ref), dtype=_I64)
+        first.scatter_reduce_(0, inverse, torch.arange(len(ref)), reduce="amin")
+        refs = ref[first]  # (nodes, columns, slots)
+        with_params = torch.zeros(len(unique), dtype=torch.bool)
+        with_params.scatter_reduce_(0, inverse, (ids >= PARAM_BASE).flatten(1).any(1), "amax")
+        src = torch.where(refs > 0, self.source_of(refs), torch.full_like(refs, -1))
+        one = src.amax((1, 2))  # a node of one projection (most): all its nodes at once
+        single = ((src == one[:, None, None]) | (src < 0)).all((1, 2))
+        own_one, partner_one = (
+            _own_and_partner(refs[single]) if bool(single.any()) else (None, None)
+        )
+        at_single = torch.cumsum(single.to(_I64), 0) - 1
+        order = torch.argsort(inverse, stable=True)
+        groups = torch.split(order, torch.bincount(inverse, minlength=len(unique)).tolist())
         nodes = []
         for u in range(len(unique)):
-            members = torch.nonzero(inverse == u).flatten()
-            nodes.append(self.node(ref[members[0]], ids[members], side.taint))
+            if not bool(single[u]):
+                nodes.append(self.node(refs[u], ids[groups[u]], side.taint))
+                continue
+            j = int(at_single[u])
+            own, partner = own_one[j : j + 1], partner_one[j]
+            biases = self.added(ids[groups[u]], partner, own[0]) if bool(with_params[u]) else {}
+            nodes.append(_Node(own, (int(one[u]),), tuple(partner.tolist()), biases, side.taint))
         return [nodes[i] for i in inverse.tolist()]
 
     def node(self, ref: Tensor, ids: Tensor, taint: Taint | None) -> _Node:
         """The node of reference features ``ref[c, s]`` whose slices hold ``ids`` (every
-        slice, token, column and slot: parameter entries among them)."""
+        slice, token, column and slot: parameter entries among them), of several
+        projections summed in its columns."""
         columns = ref.shape[0]
         src = torch.where(ref > 0, self.source_of(ref), torch.full_like(ref, -1))
-        order = [int(s) for s in dict.fromkeys(src[:, 0].tolist())]
-        per_column = [set(src[c].tolist()) - {-1} for c in range(columns)]
-        if len({frozenset(p) for p in per_column}) != 1:
+        every = src[src >= 0].unique()
+        held = (src[:, :, None] == every).any(1)  # (columns, sources): held by the column
+        if not bool(held.all()):
             raise _NotPair("a head's columns come from different projections")
-        sources = tuple(order + sorted(per_column[0] - set(order)))
+        order = [int(s) for s in dict.fromkeys(src[:, 0].tolist())]
+        sources = tuple(order + sorted(set(every.tolist()) - set(order)))
         own = torch.zeros(len(sources), columns, dtype=_I64)
         partner = torch.full((columns,), -1, dtype=_I64)
         for k, source in enumerate(sources):
-            own[k], this = _own_and_partner(torch.where(src == source, ref, torch.zeros_like(ref)))
+            mine = torch.where(src == source, ref, torch.zeros_like(ref))
+            (own[k],), (this,) = _own_and_partner(mine[None])
             if k and not torch.equal(this, partner):
                 raise _NotPair("the projections of a head are rotated differently")
             partner = this
@@ -673,18 +699,27 @@ def _joined_values(comps: list[_ValueComponent]) -> list[_ValueComponent]:
     reads it; heads that share a projection's features (a block shared across depth,
     an adapter added per call) one head of all their projections."""
     out: list[_ValueComponent] = []
+    owner: dict[int, int] = {}  # a feature -> the head in ``out`` that holds it
     for comp in comps:
-        features = set(comp.node.features.tolist())
-        same = next((c for c in out if features & set(c.node.features.tolist())), None)
-        if same is None:
+        features = comp.node.features.tolist()
+        held = {owner[f] for f in features if f in owner}
+        if not held:
+            for f in features:
+                owner[f] = len(out)
             out.append(comp)
             continue
+        if len(held) > 1:
+            raise _NotPair("a value head holds the features of several other heads")
+        (i,) = held
+        same = out[i]
         node = same.node if same.node.key == comp.node.key else _union(same.node, comp.node)
         reads = list(same.reads)
         for consumer, cols in comp.reads:
             if not any(_same_read(consumer, cols, c, k) for c, k in reads):
                 reads.append((consumer, cols))
-        out[out.index(same)] = _ValueComponent(same.module, node, reads)
+        out[i] = _ValueComponent(same.module, node, reads)
+        for f in node.features.tolist():
+            owner[f] = i
     return out
 
 
@@ -692,19 +727,26 @@ def _across_modules(out: dict[str, tuple[list, _NotPair | None]]) -> dict:
     """Value heads mixed in several modules (layers that read one layer's values, a
     block whose calls are modules of their own with tied weights): one head, in the
     first module."""
-    modules = [m for m, (_, failure) in out.items() if failure is None]
-    for i, a in enumerate(modules):
-        for b in modules[i + 1 :]:
-            held = {f for c in out[a][0] for f in c.node.features.tolist()}
-            moved = [c for c in out[b][0] if held & set(c.node.features.tolist())]
-            if moved:
-                try:
-                    joined = _joined_values(out[a][0] + moved)
-                except _NotPair as err:
-                    out[a] = out[b] = ([], err)
-                    continue
-                out[a] = (joined, None)
-                out[b] = ([c for c in out[b][0] if c not in moved], None)
+    first: dict[int, str] = {}  # a feature -> the first module whose heads hold it
+    for module, (comps, failure) in list(out.items()):
+        if failure is not None:
+            continue
+        moved: dict[str, list] = {}
+        for comp in comps:
+            features = comp.node.features.tolist()
+            earlier = {first[f] for f in features if f in first} - {module}
+            if earlier:
+                moved.setdefault(min(earlier, key=list(out).index), []).append(comp)
+            else:
+                for f in features:
+                    first.setdefault(f, module)
+        for target, comps_of in moved.items():
+            try:
+                out[target] = (_joined_values(out[target][0] + comps_of), out[target][1])
+            except _NotPair as err:
+                out[target] = out[module] = ([], err)
+                break
+            out[module] = ([c for c in out[module][0] if c not in comps_of], None)
     return out
 
 
@@ -786,7 +828,7 @@ class _Graph:
         self.order: list[bytes] = []
         self.position: dict[bytes, int] = {}
         self.first_left: set[bytes] = set()
-        self.owner: dict[int, bytes] = {}  # feature id -> the node holding it
+        self.owner: dict[int, bytes] = {}  # a row's first and last features -> its node
         self.alias: dict[bytes, bytes] = {}
 
     def find(self, key: bytes) -> bytes:
@@ -803,7 +845,9 @@ class _Graph:
             self.kind[key] = _kind_of(self.kind[key], kind)
             return key
         if isinstance(n, _Node):
-            shared = {self.find(self.owner[f]) for f in n.features.tolist() if f in self.owner}
+            # nodes that share a projection share its row: its first and last columns
+            ends = n.own[:, [0, -1]].reshape(-1).tolist()
+            shared = {self.find(self.owner[f]) for f in ends if f in self.owner}
             if shared:
                 (other,) = shared if len(shared) == 1 else (None,)
                 if other is None or not _shares_a_projection(self.nodes[other], n):
@@ -811,11 +855,11 @@ class _Graph:
                 merged = _union(self.nodes[other], n)
                 self.nodes[other] = merged
                 self.alias[n.key] = other
-                for f in merged.features.tolist():
+                for f in merged.own[:, [0, -1]].reshape(-1).tolist():
                     self.owner[f] = other
                 self.kind[other] = _kind_of(self.kind[other], kind)
                 return other
-            for f in n.features.tolist():
+            for f in ends:
                 self.owner[f] = n.key
         self.nodes[n.key] = n
         self.module[n.key] = module
@@ -944,16 +988,14 @@ class _TaintIndex:
         """The first reason that tainted one of ``features``, if any."""
         if not len(self.starts):
             return None
-        pos = torch.searchsorted(self.starts, features.contiguous(), right=True) - 1
-        hit = (pos >= 0) & (self.reach[pos.clamp_min(0)] > features)
+        ordered = features.reshape(-1).sort().values
+        # a run [start, stop) holds one of the features where it holds the first one
+        # at or after its start
+        at = torch.searchsorted(ordered, self.starts)
+        hit = (at < len(ordered)) & (ordered[at.clamp_max(len(ordered) - 1)] < self.stops)
         if not bool(hit.any()):
             return None
-        first = None
-        for f in features[hit].unique().tolist():  # the events containing them (few)
-            inside = (self.starts <= f) & (self.stops > f)
-            i = int(self.event[inside].min())
-            first = i if first is None else min(first, i)
-        _, reason, certain, _ = self.taints[first]
+        _, reason, certain, _ = self.taints[int(self.event[hit].min())]
         return reason, certain
 
 
@@ -962,33 +1004,52 @@ def _reason(text: str) -> str:
 
 
 def _own_and_partner(mine: Tensor) -> tuple[Tensor, Tensor]:
-    """Per column, its own feature and the column rotated with it (-1: none), from the
-    features ``mine[c, s]`` of one projection in each column (0: none): a column holds
-    one feature, or two (its own and its partner's, a rotation plane), which the other
-    column of the plane holds too; in a plane the smaller feature is the smaller
-    column's own."""
-    columns = mine.shape[0]
-    top = torch.sort(mine, dim=1, descending=True).values
-    hi = top[:, 0]
-    lo = top[:, 1] if top.shape[1] > 1 else torch.zeros_like(hi)
-    if top.shape[1] > 2 and bool((top[:, 2] != 0).any()):
+    """Per node and column, its own feature and the column rotated with it (-1: none),
+    from the features ``mine[n, c, s]`` of one projection in each column (0: none): a
+    column holds one feature, or two (its own and its partner's, a rotation plane),
+    which the other column of the plane holds too; in a plane the smaller feature is
+    the smaller column's own. All nodes at once: ``(nodes, columns)`` each."""
+    n, columns = mine.shape[:2]
+    top = torch.sort(mine, dim=2, descending=True).values
+    hi = top[:, :, 0]
+    lo = top[:, :, 1] if top.shape[2] > 1 else torch.zeros_like(hi)
+    if top.shape[2] > 2 and bool((top[:, :, 2] != 0).any()):
         raise _NotPair("a column mixes features of different heads or projections")
     if bool((hi == 0).any()):
         raise _NotPair("a head's columns come from different projections")
     own = hi.clone()
-    partner = torch.full((columns,), -1, dtype=_I64)
-    planes = torch.nonzero(lo != 0).flatten()
-    if len(planes):
-        key = lo[planes] * (1 << 42) + hi[planes]
-        order = planes[torch.argsort(key, stable=True)]
-        if len(order) % 2 or not torch.equal(key.sort().values[0::2], key.sort().values[1::2]):
+    partner = torch.full((n, columns), -1, dtype=_I64)
+    plane = lo != 0
+    if bool(plane.any()):
+        # the two columns of a plane hold the same two features: equal keys, adjacent
+        # once sorted; a column outside planes gets a key of its own
+        column = torch.arange(columns).expand(n, columns)
+        # sorted by (lo, hi): stably by hi, then by lo
+        first_key = torch.where(plane, lo, -(column + 1))
+        second_key = torch.where(plane, hi, torch.zeros_like(hi))
+        by_hi = torch.sort(second_key, dim=1, stable=True).indices
+        by_lo = torch.sort(torch.gather(first_key, 1, by_hi), dim=1, stable=True).indices
+        at = torch.gather(by_hi, 1, by_lo)
+        a, b = torch.gather(first_key, 1, at), torch.gather(second_key, 1, at)
+        in_plane = a > 0
+        twin_next = torch.zeros_like(plane)
+        twin_next[:, :-1] = (a[:, :-1] == a[:, 1:]) & (b[:, :-1] == b[:, 1:]) & in_plane[:, :-1]
+        twin_prev = torch.zeros_like(plane)
+        twin_prev[:, 1:] = twin_next[:, :-1]
+        if bool((twin_next & twin_prev).any()) or not torch.equal(twin_next | twin_prev, in_plane):
             raise _NotPair("columns are mixed, but not in rotation planes")
-        first, second = order[0::2], order[1::2]
-        a, b = torch.minimum(first, second), torch.maximum(first, second)
-        own[a], own[b] = lo[a], hi[a]
-        partner[a], partner[b] = b, a
-    ordered = torch.sort(own).values
-    if columns > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        ordered = a
+        position = torch.arange(columns).expand(n, columns)
+        twin = torch.where(twin_next, position + 1, torch.where(twin_prev, position - 1, position))
+        other = torch.gather(at, 1, twin)  # the twin's column, in sorted order
+        mate = torch.full((n, columns), -1, dtype=_I64)
+        mate.scatter_(1, at, torch.where(ordered > 0, other, torch.full_like(other, -1)))
+        partner = mate
+        smaller = plane & (column < partner)
+        larger = plane & (column > partner)
+        own = torch.where(smaller, lo, torch.where(larger, hi, own))
+    ordered_own = torch.sort(own, dim=1).values
+    if columns > 1 and bool((ordered_own[:, 1:] == ordered_own[:, :-1]).any()):
         raise _NotPair("a head holds one feature in two columns")
     return own, partner
 

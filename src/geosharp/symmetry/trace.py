@@ -2258,7 +2258,7 @@ def _varies_any(f: Feat, dim: int) -> bool:
     """Whether some slot of ``f`` changes along axis ``dim`` where it holds a term
     (zeros, padding, hold none)."""
     for s in f.slots:
-        if s.shape[dim] < 2:
+        if s.shape[dim] < 2 or s.stride(dim) == 0 or bool((s == s.narrow(dim, 0, 1)).all()):
             continue
         present = s != 0
         hi = torch.where(present, s, torch.full_like(s, -(1 << 62))).amax(dim, keepdim=True)
@@ -2282,7 +2282,9 @@ def _features_vary(s: Feat, letters: str, c: str) -> bool:
     at positions that hold features."""
     dim = letters.index(c)
     slot = s.slots[0]
-    if slot.shape[dim] < 2:
+    if slot.shape[dim] < 2 or slot.stride(dim) == 0:
+        return False
+    if bool((slot == slot.narrow(dim, 0, 1)).all()):
         return False
     is_feat = (slot > 0) & (slot < PARAM_BASE)
     hi = torch.where(is_feat, slot, torch.zeros_like(slot)).amax(dim, keepdim=True)
@@ -2295,11 +2297,15 @@ def _features_constant_along(s: Feat, letters: str, axes: str) -> bool:
     """Whether every slot's features are the same along ``axes`` wherever they are
     present (parameter entries may differ: memory tokens, rows looked up)."""
     for slot in s.slots:
-        is_feat = (slot > 0) & (slot < PARAM_BASE)
+        is_feat = None
         for c in axes:
             dim = letters.index(c)
-            if slot.shape[dim] < 2:
+            if slot.shape[dim] < 2 or slot.stride(dim) == 0:
                 continue
+            if bool((slot == slot.narrow(dim, 0, 1)).all()):
+                continue  # the same terms all along
+            if is_feat is None:
+                is_feat = (slot > 0) & (slot < PARAM_BASE)
             hi = torch.where(is_feat, slot, torch.zeros_like(slot)).amax(dim, keepdim=True)
             lo = torch.where(is_feat, slot, torch.full_like(slot, PARAM_BASE)).amin(
                 dim, keepdim=True
