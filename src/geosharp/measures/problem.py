@@ -264,6 +264,10 @@ class Target:
         """The perturbed parameters in half precision."""
         return [(n, t) for n, t in self.named if t.dtype == self.half]
 
+    def local_flat(self) -> Tensor:
+        """A flat copy of this process's slices (a sharded model)."""
+        return torch.cat([t.detach().reshape(-1) for t in self.local])
+
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -292,10 +296,6 @@ def perturbation_dtypes(named: list[tuple[str, Tensor]]):
         if computes != dtype:
             narrow[name] = computes
     return dtype, half, narrow
-
-    def local_flat(self) -> Tensor:
-        """A flat copy of this process's slices (a sharded model)."""
-        return torch.cat([t.detach().reshape(-1) for t in self.local])
 
 
 def settle(model: nn.Module, batch: object, loss_fn: LossFunction) -> None:

@@ -91,10 +91,10 @@ def find_symmetries(
     run = _traced_phase(model, inputs, loss_fn, meta, warn, found)
     candidates = _merged_phase(found)
     checked = run is not None and verify and not meta and bool(candidates)
-    candidates = _structural_phase(candidates, found)
     if checked:
         _verified_phase(model, run, candidates, found, cond, seed, warn)
     else:  # kept unverified (checked later, on a sharded model); clashes said
+        candidates = _structural_phase(candidates, found)
         for i, pair in enumerate(candidates):
             if i < len(found.declared) or not _copy_of_declared(pair, found.declared):
                 _kept(pair, found)
@@ -181,16 +181,21 @@ def _merged_phase(found: _Found) -> list[PairSpec]:
 
 
 def _structural_phase(candidates: list[PairSpec], found: _Found) -> list[PairSpec]:
-    """The candidates left once those whose features went through a function of each
-    element (an activation, a clamp) are dropped: no continuous symmetry survives it,
-    whatever a check on one batch says (a clamp that batch never reaches)."""
-    tainted = found.assembly.tainted if found.assembly is not None else {}
+    """Where no check can run (no weights): the candidates left once those whose
+    features went through a function of each element (an activation, a clamp) are
+    dropped, exactly: no continuous symmetry survives it."""
     traced = candidates[len(found.declared) :]
-    nonlinear = [p for p in traced if tainted.get(p.name, ("", False, False))[2]]
+    nonlinear = [p for p in traced if _nonlinear(p, found)]
     for pair in nonlinear:
-        reason = f"{_subject(pair)} {tainted[pair.name][0]}: not linear in their projections"
-        found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=True))
+        reason = f"{_subject(pair)} {found.assembly.tainted[pair.name][0]}: not linear in "
+        found.dropped.append(Dropped(pair.module, pair.kind, reason + "their projections", True))
     return found.declared + [p for p in traced if p not in nonlinear]
+
+
+def _nonlinear(pair: PairSpec, found: _Found) -> bool:
+    """Whether a traced pair's features went through a function of each element."""
+    tainted = found.assembly.tainted if found.assembly is not None else {}
+    return tainted.get(pair.name, ("", False, False))[2]
 
 
 def _copy_of_declared(pair: PairSpec, declared: list[PairSpec]) -> bool:
@@ -233,7 +238,11 @@ def _verified_phase(model, run, candidates, found: _Found, cond, seed, warn: boo
     ran = assembly.ran if assembly is not None else None
     tainted = assembly.tainted if assembly is not None else {}
     checks = _verify(model, run, candidates, cond, seed, uses, ran)
-    retry = [i for i, c in enumerate(checks) if c is not None and not c.ok
+    # features through a function of each element keep no continuous symmetry: such a
+    # candidate is checked for what its drop says, never kept
+    nonlinear = {i for i, p in enumerate(candidates) if i >= len(found.declared)
+                 and _nonlinear(p, found)}  # fmt: skip
+    retry = [i for i, c in enumerate(checks) if c is not None and not c.ok and i not in nonlinear
              and orthogonal_part(candidates[i].group) != candidates[i].group]  # fmt: skip
     smaller = [replace(candidates[i], group=orthogonal_part(candidates[i].group)) for i in retry]
     for i, pair, check in zip(retry, smaller, _verify(model, run, smaller, cond, seed, uses, ran)):
@@ -245,6 +254,14 @@ def _verified_phase(model, run, candidates, found: _Found, cond, seed, warn: boo
     kept_declared: list[PairSpec] = []
     for i, (pair, check) in enumerate(zip(candidates, checks)):
         if check is not None and not check.ok:
+            continue
+        if i in nonlinear:  # the op's nonlinear range is not reached by this batch
+            reason = (
+                f"{_subject(pair)} {tainted[pair.name][0]}: not linear in their projections "
+                "(a check on this batch did not see it: the batch does not reach where the "
+                "op bends)"
+            )
+            found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=True))
             continue
         if i >= len(found.declared) and _copy_of_declared(pair, kept_declared):
             if _beside_declared(model, pair, kept_declared, found):
@@ -264,6 +281,15 @@ def _verified_phase(model, run, candidates, found: _Found, cond, seed, warn: boo
         if i >= len(found.declared) and _copy_of_declared(candidates[i], kept_declared):
             if _beside_declared(model, candidates[i], kept_declared, found):
                 continue
+        if i in nonlinear:
+            pair = candidates[i]
+            reason = (
+                f"{_subject(pair)} {tainted[pair.name][0]}: not linear in their projections, "
+                f"so no continuous symmetry survives ({_refuted(checks[i])} of "
+                f"{pair.group}({pair.shape[3]}))"
+            )
+            found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=True))
+            continue
         _refuted_candidate(candidates[i], checks[i], tainted.get(candidates[i].name), scaled,
                            found, warn, declared=i < len(found.declared))  # fmt: skip
 
