@@ -117,11 +117,12 @@ def test_measure_vision_builtin_digits(vit_dir, capsys):
     assert payload["results"][0]["geometry"] == "geodesic-inv"
 
 
-def test_demo_quick(capsys):
+def test_demo_quick(capfd):
     from geosharp.demo import run_demo
 
     lines = []
     assert run_demo(epochs=2, n_iters=3, print_fn=lines.append) == 0
+    assert "[transformers]" not in capfd.readouterr().err  # the tiny configs' notes
     table = {
         line.split()[0] + (" " + line.split()[1] if line.startswith("geodesic") else ""): line
         for line in lines
@@ -171,6 +172,34 @@ def test_measure_per_layer_with_plot(bert_dir, text_csv, tmp_path, capsys):
     assert "--per layer" in capsys.readouterr().err
     assert main([*args, "--measures", "hessian-trace-inv"]) == 2
     assert "drop hessian-trace-inv" in capsys.readouterr().err
+
+
+def test_plot_writes_every_format_it_accepts_and_never_over_the_json(
+    bert_dir, text_csv, tmp_path, capsys
+):
+    """--plot out.svg is written by matplotlib (it was accepted, then failed after the
+    measure); --json and --plot naming one file is refused before measuring."""
+    args = ["measure", str(bert_dir), "--data", str(text_csv), "--n-points", "8",
+            "--batch-size", "8", "--n-iters", "1", "--measures", "adaptive",
+            "--per", "layer", "--quiet"]  # fmt: skip
+    svg = tmp_path / "layers.svg"
+    assert main([*args, "--plot", str(svg)]) == 0
+    assert "<svg" in svg.read_text()
+    capsys.readouterr()
+    same = tmp_path / "x.png"
+    assert main([*args, "--json", str(same), "--plot", str(same)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--json and --plot both name" in err and err.count("\n") == 0
+    assert not same.exists()
+    assert main([*args, "--plot", str(tmp_path / "layers.docx")]) == 2
+    assert "not a figure format" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from geosharp import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"geosharp {__version__}"
 
 
 def test_study_commands_without_the_studies_package_say_how_to_install(monkeypatch, capsys):

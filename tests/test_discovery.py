@@ -316,3 +316,71 @@ def test_a_hand_written_attention_is_found_from_what_it_computes():
     moved = copy.deepcopy(model)
     reparameterize(moved, Symmetries([gl], sym.parameters), transforms=transforms, unverified=True)
     assert (moved(x) - model(x)).abs().max() > 1e-3 * model(x).abs().max()
+
+
+def test_an_input_projection_in_front_of_multi_head_attention_is_no_reason_for_a_label():
+    """A Linear patch embedding before nn.TransformerEncoder: every pair found and
+    verified, and the model complete (it was labelled element-wise for "projection
+    features of patch.weight enter multi_head_attention_forward", and strict refused)."""
+
+    class Patches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = torch.nn.Linear(48, 32)
+            layer = torch.nn.TransformerEncoderLayer(
+                32, 4, dim_feedforward=64, dropout=0.0, batch_first=True
+            )
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(32, 3)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.patch(x)).mean(1))
+
+    torch.manual_seed(0)
+    model = Patches().double().eval()
+    x = torch.randn(4, 9, 48, dtype=torch.float64)
+    batch = (x, torch.randint(0, 3, (4,)))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    found = geosharp.find_symmetries(model, batch, loss_fn=loss)
+    assert len(found.pairs) == 4 and len(found.verified) == 4
+    assert found.complete and not found.ignored and not found.unrecognized
+    estimator = geosharp.WorstCase(n_iters=1)
+    result = geosharp.sharpness(model, [batch], loss, "geodesic-inv", 0.05, estimator, strict=True)
+    assert result.symmetry["ignored"] == {} and result.symmetry["verified"] == 4
+
+
+def test_reparameterize_and_check_take_the_batch_sharpness_takes_with_its_loss_fn():
+    """batch=(inputs, labels) failed with the model's own TypeError from inside
+    discovery; with loss_fn= it is the batch sharpness() takes, without it one line
+    says what batch must be, before anything runs."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Attention().double()
+    batch = (torch.randn(3, 5, 8, dtype=F64), torch.tensor([0, 1, 0]))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    for call in (reparameterize, check_symmetries):
+        with pytest.raises(geosharp.UsageError, match=r"model\(\*batch\).*loss_fn=") as err:
+            call(copy.deepcopy(model), batch=batch)
+        assert "\n" not in str(err.value)
+    twin = copy.deepcopy(model)
+    reparameterize(twin, batch=batch, loss_fn=loss)
+    assert not torch.equal(twin.mha.in_proj_weight, model.mha.in_proj_weight)
+    with torch.no_grad():
+        assert float(loss(twin, batch)) == pytest.approx(float(loss(model, batch)), rel=1e-12)
+    check = check_symmetries(model, batch, loss_fn=loss)
+    assert check.ok and check.n_pairs == 2 and 0 < check.max_rel_change < 1e-12

@@ -248,3 +248,154 @@ def test_vectors_alive_at_each_evaluation_of_a_half_model(measure, rho, dtype, f
     assert max(c[torch.float32] for c in counts) == float32, counts
     assert max(c[torch.bfloat16] for c in counts) == half, counts
     assert result.settings["gradient"] == ("bfloat16" if half else "float32")
+
+
+# A confident classifier: the loss that a half-precision model's logits give
+
+
+@pytest.fixture(scope="module")
+def confident():
+    """A 2-layer MLP fit to a training loss ~1e-4 (float32), the batch it was fit on."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    y = (x[:, 0] > 0).long()
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    opt = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(600):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net, (x, y)
+
+
+def _half_loss(model, batch):  # the logits' own precision, as a naive loss_fn computes
+    inputs, labels = batch
+    return torch.nn.functional.cross_entropy(model(inputs.to(model[0].weight.dtype)), labels)
+
+
+def _float_loss(model, batch):
+    inputs, labels = batch
+    logits = model(inputs.to(model[0].weight.dtype))
+    return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+
+def _adaptive(model, batch, loss, **kw):
+    estimator = geosharp.WorstCase(n_iters=10)
+    return geosharp.sharpness(model, [batch], loss, "adaptive", 0.05, estimator, seed=0, **kw)
+
+
+def test_a_confident_bfloat16_classifier_is_within_its_floor_of_the_float32_copy(confident):
+    net, batch = confident
+    half = copy.deepcopy(net).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        low = _adaptive(half, batch, _float_loss)
+    ref = _adaptive(half.float(), batch, _float_loss)
+    assert 0 < low.loss < 1e-3 and low.floor > 0
+    assert abs(low.value - ref.value) <= low.floor
+    assert abs(low.loss - ref.loss) <= low.floor  # the floor covers the logits' rounding
+
+
+def test_a_bfloat16_loss_rounded_to_zero_has_a_floor_not_zero_and_says_so(confident):
+    """log-softmax of confident bf16 logits rounds the loss to exactly 0: the floor is
+    the loss that float32 arithmetic on the same outputs gives, never 0."""
+    net, batch = confident
+    half = copy.deepcopy(net).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _adaptive(half, batch, _half_loss)
+    assert result.loss == 0 and result.value == 0
+    with torch.no_grad():
+        float_loss = float(_float_loss(half, batch))
+    assert result.floor >= 0.5 * float_loss > 0
+    said = [str(w.message) for w in caught if w.category is geosharp.PrecisionWarning]
+    assert any("the loss is computed in bfloat16" in m for m in said)
+    assert any("round-off floor" in m and "a float32 copy of the model" in m for m in said)
+    assert all(w.filename == __file__ for w in caught if w.category is geosharp.PrecisionWarning)
+    with pytest.raises(geosharp.UsageError, match=r"model\.float\(\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+            _adaptive(half, batch, _half_loss, strict=True)
+
+
+def test_a_float32_loss_of_exactly_zero_has_a_floor(confident):
+    """A float32 loss rounded to 0 (margins 24 to 65, a loss of 5e-12 in float64) by a
+    loss function that casts the outputs to float32: its floor is what float32
+    arithmetic on outputs of that size rounds away, not 0."""
+    net, batch = confident
+    sharp = copy.deepcopy(net)
+    with torch.no_grad():
+        sharp[2].weight.mul_(3)
+        sharp[2].bias.mul_(3)
+        assert float(_float_loss(sharp, batch)) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        result = _adaptive(sharp, batch, _float_loss)
+    assert result.loss == 0 and result.floor > 1e-7
+
+
+def test_a_block_near_its_floor_is_named(confident):
+    net, batch = confident
+    half = copy.deepcopy(net).to(torch.bfloat16)
+    kw = dict(per="layer", strict=True)
+    with pytest.raises(geosharp.UsageError, match=r"adaptive \[\S+\] at rho") as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+            geosharp.block_sharpness(half, [batch], _half_loss, "adaptive", 0.05,
+                                     geosharp.WorstCase(n_iters=2), **kw)  # fmt: skip
+    assert "--dtype float32" in err.value.message(cli=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        geosharp.block_sharpness(half, [batch], _half_loss, "adaptive", 0.05,
+                                 geosharp.WorstCase(n_iters=2), per="layer")  # fmt: skip
+    near = [w for w in caught if "round-off floor" in str(w.message)]
+    assert near and all(str(w.message).startswith("[") for w in near)
+    assert all(w.filename == __file__ for w in near)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_built_in_losses_are_float32_from_half_logits(dtype):
+    from types import SimpleNamespace
+
+    from geosharp.hf import classification_loss
+    from geosharp.hfdata import TASKS, causal_lm_loss, task_loss
+    from geosharp.models.vit import image_loss
+
+    class Logits(torch.nn.Module):
+        def __init__(self, shape, problem_type=None):
+            super().__init__()
+            self.shape = shape
+            self.config = SimpleNamespace(problem_type=problem_type, num_labels=shape[-1])
+
+        def forward(self, **_):
+            return SimpleNamespace(logits=torch.randn(self.shape).to(dtype))
+
+    labels = {"single_label_classification": torch.tensor([0, 1]),
+              "multi_label_classification": torch.tensor([[0, 1], [1, 0]]),
+              "regression": torch.randn(2, 2)}  # fmt: skip
+    for kind in TASKS:
+        loss = task_loss(Logits((2, 2), kind), {"x": None, "labels": labels[kind]})
+        assert loss.dtype == torch.float32, kind
+    assert classification_loss(Logits((2, 3)), {"labels": torch.tensor([0, 2])}).dtype == (
+        torch.float32
+    )
+    assert image_loss(Logits((2, 3)), (None, torch.tensor([0, 2]))).dtype == torch.float32
+    ids = {"input_ids": torch.tensor([[1, 2, 0]]), "attention_mask": torch.ones(1, 3)}
+    assert causal_lm_loss(Logits((1, 3, 5)), ids).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "precision, python, cli",
+    [
+        ("bfloat16 autocast", "no autocast", "no --autocast"),
+        ("float32 in the perturbed modules, bfloat16 elsewhere", "float()", "--dtype float32"),
+        ("float32; 2 parameters in bfloat16, as their modules", "float()", "--dtype float32"),
+        ("float32", "float64", "float64: the Python API"),
+        ("float64", "a larger rho", "a larger --rho"),
+    ],
+)
+def test_the_floor_advice_names_the_fix_where_the_user_is(precision, python, cli):
+    from geosharp.measures.problem import floor_message
+
+    assert python in floor_message("adaptive", 0.1, 1e-9, 1e-9, precision)
+    assert cli in floor_message("adaptive", 0.1, 1e-9, 1e-9, precision, cli=True)

@@ -122,3 +122,33 @@ def test_manual_steps_with_autocast_and_gradient_clipping():
     assert all(p.dtype == torch.float32 for p in case.model.parameters())
     assert any(not torch.equal(p, q) for p, q in zip(case.model.parameters(), before))
     assert all(torch.isfinite(p).all() for p in case.model.parameters())
+
+
+def test_geodesic_sam_speaks_of_its_step_from_the_users_line():
+    """Where part of the symmetry is not understood (attention in an opaque kernel),
+    GeodesicSAM's warning speaks of its ascent step (it has no value nor
+    result.symmetry), attributed to the line that built it."""
+    from zoo import fused_attention
+
+    class Kernel(torch.nn.Module):
+        def __init__(self, dim=8, heads=2):
+            super().__init__()
+            self.heads = heads
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+        def forward(self, x):
+            b, t, d = x.shape
+            split = [
+                f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v)
+            ]
+            return self.o(fused_attention(*split).transpose(1, 2).reshape(b, t, d))
+
+    model = Kernel()
+    batch = torch.randn(2, 5, 8)
+    symmetries = geosharp.find_symmetries(model, batch, warn=False)
+    with pytest.warns(geosharp.SymmetryWarning) as caught:
+        GeodesicSAM(model, torch.optim.SGD(model.parameters(), lr=0.1), symmetries=symmetries)
+    message = str(caught[0].message)
+    assert message.startswith("GeodesicSAM (geodesic-inv): ") and "ascent step" in message
+    assert "the value" not in message and "result.symmetry" not in message
+    assert caught[0].filename == __file__

@@ -557,8 +557,9 @@ def test_space_keeps_no_parameter_sized_vector(name):
 
 
 def test_one_forward_backward_per_step():
-    """Per batch: the unperturbed loss, the start point, one call per step (the best
-    point's gradient kept for restarts; else see the next test). A geometry with pairs
+    """Per batch: the unperturbed loss, its floor (the outputs rounded, without
+    gradient), the start point, one call per step (the best point's gradient kept for
+    restarts; else see the next test). A geometry with pairs
     first finds them: two calls on the first batch (the traced forward pass, then the
     inputs of the modules whose pairs are verified)."""
     case = bert_case(dtype=torch.float32)
@@ -584,7 +585,8 @@ def test_one_forward_backward_per_step():
         )
         # the pairs found and verified, else one forward that settles the dtypes
         setup = 2 if kw["measure"].startswith("geodesic") else 1
-        assert len(calls) == len(case.batches) * (7 + 2) + setup
+        assert len(calls) == len(case.batches) * (7 + 3) + setup
+        assert calls.count(False) == len(case.batches) + setup  # the floors, the set-up
 
 
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv", "adaptive-linf"])
@@ -616,9 +618,10 @@ def test_a_restart_evaluates_the_best_point_again_as_an_iteration(measure, monke
             )
         results[kept].calls = len(calls)
     ours, kept = results[False], results[True]
-    # the pairs found and verified, else one forward that settles the dtypes
+    # the pairs found and verified, else one forward that settles the dtypes; per
+    # batch, the unperturbed loss and its floor
     setup = 2 if measure.startswith("geodesic") else 1
-    assert ours.calls == kept.calls == len(case.batches) * (n_iters + 2) + setup
+    assert ours.calls == kept.calls == len(case.batches) * (n_iters + 3) + setup
     assert ours.settings["restart"] == "revisit"
     revisits = 0
     for a, b in zip(ours.traces, kept.traces):

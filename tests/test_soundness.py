@@ -311,6 +311,52 @@ def test_activation_checkpointing_gives_the_same_numbers():
     assert_unchanged(reentrant, before)
 
 
+class _CheckpointedOnData(torch.nn.Module):
+    """A block checkpointed on the data itself (its input needs no gradient), a head."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
+        self.head, self.reentrant = torch.nn.Linear(6, 2), reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def test_a_reentrant_checkpoint_whose_input_needs_no_gradient_is_refused():
+    """Its parameters get no gradient (torch only warns): Auto-PGD would move the head
+    alone and report the head's value. Refused with the fix; the non-reentrant one, and
+    a measure of the head alone, are measured."""
+    from geosharp.errors import UsageError
+    from geosharp.measures import hessian_trace
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 6, dtype=F64)
+    reentrant = _CheckpointedOnData(True).to(F64)
+    plain = _CheckpointedOnData(False).to(F64)
+    plain.load_state_dict(reentrant.state_dict())
+    before = snapshot(reentrant)
+    estimator = geosharp.WorstCase(n_iters=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning
+        for measure in ("adaptive", "geodesic-inv"):
+            with pytest.raises(UsageError, match=r"block\.0\.weight and 1 more get no gradient"):
+                geosharp.sharpness(reentrant, [x], loss_fn, measure, 0.5, estimator)
+        with pytest.raises(UsageError, match="use_reentrant=False"):
+            hessian_trace(reentrant, [x], loss_fn, "adaptive", n_probes=1)
+        assert_unchanged(reentrant, before)
+        head = ["head.weight", "head.bias"]
+        values = [
+            geosharp.sharpness(m, [x], loss_fn, "adaptive", 0.5, estimator, parameters=head).value
+            for m in (reentrant, plain)
+        ]
+    assert values[0] == pytest.approx(values[1], rel=1e-12)
+    whole = geosharp.sharpness(plain, [x], loss_fn, "adaptive", 0.5, estimator).value
+    assert whole > values[1]  # the block's parameters count
+
+
 def _renamed(state):
     """The plain stack's weights under the checkpointed stack's names."""
     out = {}
@@ -438,6 +484,36 @@ def test_hugging_face_gradient_checkpointing_is_kept_during_a_measure():
     with pytest.warns(UserWarning, match="use_reentrant"):
         off = geosharp.sharpness(reentrant, [inputs], loss, "adaptive", 0.1, geosharp.WorstCase(2))
     assert off.settings["checkpointing"] is False
+
+
+def test_a_measure_under_checkpointing_keeps_no_cache_and_transformers_says_nothing():
+    """transformers logs "`use_cache=True` is incompatible with gradient checkpointing"
+    in a training-mode forward of a checkpointed model that caches (the control); a
+    measure turns the cache off (and back on after), so it is not said."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model, inputs, loss = build_hf("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = True
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        hf_logging.warning_once.cache_clear()
+        geosharp.sharpness(model, [inputs], loss, "adaptive", 0.1, geosharp.WorstCase(2))
+        quiet = list(said)
+        assert model.config.use_cache is True
+        hf_logging.warning_once.cache_clear()
+        model.train()
+        loss(model, inputs).backward()  # the control: training as usual says it
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in quiet if "cach" in m.lower()], quiet
+    assert [m for m in said if "cach" in m.lower()]
 
 
 def test_a_true_symmetry_above_the_a_priori_round_off_is_verified():

@@ -181,8 +181,9 @@ def test_class_folders_are_read_at_any_depth_and_never_dropped(tmp_path):
 
 
 def test_sharpness_under_no_grad_owns_its_gradients():
-    """Evaluation code runs under torch.no_grad(): the measure enables what it needs,
-    and the caller's mode is kept."""
+    """Evaluation code runs under torch.no_grad() or torch.inference_mode(): the
+    measure enables what it needs, and the caller's mode is kept; a batch made in
+    inference mode is measured as any other."""
     import geosharp
 
     torch.manual_seed(0)
@@ -197,6 +198,15 @@ def test_sharpness_under_no_grad_owns_its_gradients():
         inside = geosharp.sharpness(model, [batch], loss, "adaptive", 0.05).value
         assert not torch.is_grad_enabled()
     assert inside == free > 0
+    with torch.inference_mode():  # refused with a message about no_grad, once
+        inferred = geosharp.sharpness(model, [batch], loss, "adaptive", 0.05).value
+        assert torch.is_inference_mode_enabled()
+        made_there = tuple(t.clone() for t in batch)  # inference tensors
+    assert inferred == free
+    assert geosharp.sharpness(model, [made_there], loss, "adaptive", 0.05).value == free
+    trace = geosharp.hessian_trace(model, [batch], loss, "adaptive", n_probes=2).value
+    with torch.inference_mode():
+        assert geosharp.hessian_trace(model, [batch], loss, "adaptive", n_probes=2).value == trace
 
 
 def test_images_outside_the_8_and_16_bit_ranges_are_refused(tmp_path):

@@ -55,6 +55,17 @@ def plugins() -> list:
     return sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("geosharp")
+    except PackageNotFoundError:  # run from a source tree
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .commands import add_measure_arguments, add_symmetries_arguments
 
@@ -63,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Symmetry-aware (geodesic) sharpness of neural networks.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
+    parser.add_argument("--version", action="version", version=f"geosharp {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:

@@ -115,8 +115,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--plot",
-        metavar="PNG",
-        help="with --per: a bar per block, one colour per measure, written to PNG",
+        metavar="FILE",
+        help="with --per: a bar per block, one colour per measure, in the format FILE's "
+        "suffix names (.png, .svg, .pdf, ...)",
     )
     p.add_argument(
         "--resume",
@@ -152,9 +153,10 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strict",
         action="store_true",
-        help="stop (exit 2) when attention modules would be measured element-wise because "
-        "their symmetry is not understood, or pairs used without a numerical check, "
-        "instead of marking the geodesic values",
+        help="stop (exit 2) instead of warning: before measuring, where attention modules "
+        "would be measured element-wise (their symmetry not understood) or pairs used "
+        "without a numerical check; after a measure (or block), where its value is within "
+        "10x of the loss's round-off floor",
     )
 
 
@@ -325,6 +327,11 @@ def _plan(args) -> _Plan:
         from .plots import check_figure_path, require_matplotlib
 
         check_output_path(args.plot, "--plot", protected=inputs, force=args.force)
+        if args.json not in (None, "-") and Path(args.json).resolve() == Path(args.plot).resolve():
+            raise UsageError(
+                f"--json and --plot both name {args.plot}: the results and the figure would "
+                "overwrite each other; give them different files"
+            )
         require_matplotlib()
         check_figure_path(args.plot)
     settings = run_settings(args, rhos)
@@ -410,7 +417,7 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
     """One sharpness measure (or, ``--per``, one per block), with what the command line
     says of its round-off floor and of non-finite losses."""
     from .measures import AverageCase, WorstCase, block_sharpness, sharpness
-    from .measures.problem import NonFiniteError, floor_message
+    from .measures.problem import FloorError, NonFiniteError, floor_message
 
     estimator = AverageCase(args.n_samples) if args.kind == "average" else WorstCase(args.n_iters)
     options = dict(
@@ -426,6 +433,8 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
             result = sharpness(*on, name, rho, estimator, **options)
     except NonFiniteError as err:  # the user's radius or model, not our bug
         raise UsageError(err.message(f"--rho (now {rho:g})", "--nonfinite inf")) from None
+    except FloorError as err:  # --strict: in the command line's words
+        raise UsageError(err.message(cli=True)) from None
     row = result.to_dict()
     parts = [(f"{name} [{b}]", r) for b, r in result.blocks.items()] if args.per else []
     parts = parts or [(name, result)]  # the floor is checked on the measure or each block
@@ -485,7 +494,7 @@ def plot_blocks(results: list[dict], path: str, title: str) -> None:
     """A bar per block, one colour per measure (log scale when every value is
     positive and finite)."""
 
-    from .plots import require_matplotlib, save_png
+    from .plots import require_matplotlib, save_figure
 
     require_matplotlib()
     import matplotlib.pyplot as plt
@@ -506,7 +515,7 @@ def plot_blocks(results: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_png(fig, Path(path))
+    save_figure(fig, path)
     plt.close(fig)
 
 

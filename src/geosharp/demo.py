@@ -21,6 +21,7 @@ import time
 import torch
 
 from .data import load_digits
+from .errors import require_all
 from .io import write_json_atomic
 from .measures import DEFAULT_RHO, WorstCase, sharpness
 from .models.vit import (
@@ -52,6 +53,10 @@ def run_demo(
     epochs: int = 40,
     print_fn=print,
 ) -> int:
+    # before anything slow
+    require_all(
+        ("transformers", "sklearn"), "the demo (a Hugging Face ViT on scikit-learn's digits)"
+    )
     start = time.perf_counter()
     data = load_digits()
     train, test = data.split(1500, seed=seed)
@@ -185,16 +190,19 @@ def _coverage(print_fn) -> list[dict]:
         import transformers
     except ImportError:  # the hf extra: nothing to show
         return []
+    from .hf import quiet_transformers
+
     print_fn("")
     print_fn(
         "The same discovery, on models built from their configs on the meta device (no "
-        "weights;\nsee docs/architectures.md for 68 families):"
+        "weights;\nsee docs/architectures.md for 74 families):"
     )
     out = []
     for label, config_name, model_name, settings in COVERAGE_DEMO:
-        config = getattr(transformers, config_name)(**settings)
-        with torch.device("meta"):
-            model = getattr(transformers, model_name)(config)
+        with quiet_transformers():  # the tiny vocabularies' notes on special tokens
+            config = getattr(transformers, config_name)(**settings)
+            with torch.device("meta"):
+                model = getattr(transformers, model_name)(config)
         found = find_symmetries(model, warn=False)
         first = found.attention[0]
         groups = [f"{p.kind} {p.group_label}" for p in found.pairs if p.module == first]

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .errors import MissingInputError, UsageError
+from .errors import MissingInputError, UsageError, require
+from .params import in_float32
 
 __all__ = [
     "LoadedClassifier",
@@ -78,6 +79,14 @@ def resolve_checkpoint(name: str | Path) -> Path:
     return path
 
 
+def _from_transformers(*names: str):
+    """``transformers``' objects ``names`` (one, or a tuple), or the one-line error that
+    names the extra to install."""
+    module = require("transformers", "a Hugging Face checkpoint")
+    found = tuple(getattr(module, n) for n in names)
+    return found[0] if len(found) == 1 else found
+
+
 def has_tokenizer(path: str | Path) -> bool:
     """Whether the directory holds tokenizer files (see ``TOKENIZER_FILES``)."""
     return any((Path(path) / f).exists() for f in TOKENIZER_FILES)
@@ -87,7 +96,7 @@ def has_tokenizer(path: str | Path) -> bool:
 def quiet_transformers() -> Iterator[None]:
     """Silence transformers' load reports, warnings and "Loading weights" bars for the
     duration; its settings are restored on exit."""
-    from transformers.utils import logging as hf_logging
+    hf_logging = require("transformers.utils.logging", "a Hugging Face model")
 
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
@@ -104,7 +113,7 @@ def quiet_transformers() -> Iterator[None]:
 def load_config(path: str | Path):
     """The ``AutoConfig`` of a checkpoint directory (quietly, nothing downloaded); a
     ``config.json`` that transformers cannot read is a one-line error."""
-    from transformers import AutoConfig
+    AutoConfig = require("transformers", "a Hugging Face checkpoint").AutoConfig
 
     try:
         with quiet_transformers():
@@ -166,7 +175,7 @@ def is_vision(config) -> bool:
 
 def named_class(config) -> type | None:
     """The first class of config.json's ``architectures`` that transformers has, if any."""
-    import transformers
+    transformers = require("transformers", "a Hugging Face checkpoint")
 
     archs = getattr(config, "architectures", None) or []
     return next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
@@ -178,7 +187,7 @@ def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> n
     ``BartModel`` with a random encoder), else ``AutoModel``; in eval mode (float32
     unless ``dtype`` says otherwise). A corrupt config.json, missing or truncated weights
     are one-line errors before anything loads."""
-    import transformers
+    transformers = require("transformers", "a Hugging Face checkpoint")
 
     path = resolve_checkpoint(name)
     config = load_config(path)
@@ -195,7 +204,7 @@ def load_model(name: str | Path, dtype: torch.dtype | None = torch.float32) -> n
 def meta_model(name: str | Path) -> nn.Module:
     """The base model (``AutoModel``) of a checkpoint's ``config.json``, built on the
     ``meta`` device: the architecture without weights, at any size, in seconds."""
-    from transformers import AutoModel
+    AutoModel = _from_transformers("AutoModel")
 
     config = load_config(resolve_checkpoint(name))
     with quiet_transformers(), torch.device("meta"):
@@ -227,7 +236,9 @@ def load_classifier(
     measure the same network; ``new_parameters`` names what was initialised. Weights
     are loaded in float32 unless ``dtype`` says otherwise; transformers' load report
     and progress bars are silenced."""
-    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+    AutoModelForImageClassification, AutoModelForSequenceClassification = _from_transformers(
+        "AutoModelForImageClassification", "AutoModelForSequenceClassification"
+    )
 
     path = resolve_checkpoint(name)
     config = load_config(path)
@@ -242,7 +253,7 @@ def load_causal_lm(
 ) -> LoadedClassifier:
     """A causal language model (``AutoModelForCausalLM``) from a local checkpoint, in
     eval mode, loaded as :func:`load_classifier` loads classifiers."""
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = _from_transformers("AutoModelForCausalLM")
 
     return _load_auto(AutoModelForCausalLM, resolve_checkpoint(name), None, dtype, seed)
 
@@ -272,7 +283,7 @@ def load_tokenizer(path: str | Path):
     """The tokenizer of a checkpoint directory; an error naming the fix when the
     directory has no tokenizer files (transformers would otherwise build an empty
     tokenizer that maps every word to ``[UNK]``)."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _from_transformers("AutoTokenizer")
 
     path = Path(path)
     if not has_tokenizer(path):
@@ -342,7 +353,7 @@ def label_ids(labels: list, config, num_labels: int) -> Tensor:
 def classification_loss(model: nn.Module, batch: dict) -> Tensor:
     """Cross-entropy of a Hugging Face classifier on a dict batch with ``labels``."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return F.cross_entropy(model(**inputs).logits, batch["labels"])
+    return F.cross_entropy(in_float32(model(**inputs).logits), batch["labels"])
 
 
 def example_inputs(

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .errors import UsageError
+from .params import in_float32
 
 __all__ = [
     "TASKS",
@@ -128,7 +129,7 @@ def _next_token(logits: Tensor, ids: Tensor, mask: Tensor | None) -> tuple[Tenso
     if not bool(keep.any()):
         raise UsageError("every text is one token long: no next token to predict")
     flat = logits[keep]
-    loss = F.cross_entropy(flat.float() if flat.dtype != torch.float64 else flat, targets[keep])
+    loss = F.cross_entropy(in_float32(flat), targets[keep])
     return loss, flat.argmax(-1) == targets[keep]
 
 
@@ -142,6 +143,8 @@ def task_loss(model: nn.Module, batch: dict) -> Tensor:
 
 
 def _loss(kind: str, logits: Tensor, labels: Tensor) -> Tensor:
+    """The task's loss, in float32 from half-precision logits."""
+    logits = in_float32(logits)
     if kind == "regression":
         if logits.shape[-1] == 1:
             logits = logits.squeeze(-1)
@@ -218,7 +221,9 @@ def load_image_processor(path: str | Path):
 
     if not (Path(path) / "preprocessor_config.json").is_file():
         return None
-    from transformers import AutoImageProcessor
+    from .hf import _from_transformers
+
+    AutoImageProcessor = _from_transformers("AutoImageProcessor")
 
     try:
         with quiet_transformers():

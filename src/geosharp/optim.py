@@ -97,7 +97,7 @@ class GeodesicSAM(torch.optim.Optimizer):
             )
         if self.geometry.p != 2:
             raise ValueError(f"GeodesicSAM needs a round ball (p=2), not {measure!r}")
-        target = find_target(model, self.geometry, parameters, symmetries)
+        target = find_target(model, self.geometry, parameters, symmetries, means="step")
         if target.upcast:
             raise ValueError("GeodesicSAM trains float32/float64 weights; use autocast for bf16")
         self._named = target.named

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from .errors import UsageError, warn_user
+
 __all__ = [
     "FunctionalLoss",
     "LossFunction",
@@ -31,6 +33,8 @@ __all__ = [
     "evaluation_mode",
     "frozen_except",
     "functional_loss",
+    "grad_owned",
+    "in_float32",
     "keeping_tensors",
     "loss_value",
     "owning_modules",
@@ -39,6 +43,7 @@ __all__ = [
     "scalar_loss",
     "swapped",
     "tensors_kept",
+    "usable_for_grad",
 ]
 
 LossFunction = Callable[[nn.Module, object], Tensor]
@@ -218,15 +223,23 @@ def tensors_kept(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def evaluation_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` in eval mode (dropout off, normalisation statistics frozen) and
-    restore every submodule's ``training`` flag on exit, also on error."""
+    """Put ``model`` in eval mode (dropout off, normalisation statistics frozen) and its
+    Hugging Face configs' ``use_cache`` off (an evaluation keeps no key-value cache, and
+    transformers says it turns it off under activation checkpointing); restore every
+    submodule's ``training`` flag and every ``use_cache`` on exit, also on error."""
     flags = [(m, m.training) for m in model.modules()]
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    caching = [c for c in configs.values() if getattr(c, "use_cache", None) is True]
     model.eval()
+    for config in caching:
+        config.use_cache = False
     try:
         yield
     finally:
         for module, flag in flags:
             module.training = flag
+        for config in caching:
+            config.use_cache = True
 
 
 def checkpoint_holders(model: nn.Module) -> list[nn.Module] | None:
@@ -255,15 +268,13 @@ def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
     without gradients, where nothing is checkpointed, is bit for bit the eval mode's.
     Returns whether it was kept (else every flag is as :func:`evaluation_mode` set it,
     and a warning says why)."""
-    import warnings
 
     holders = checkpoint_holders(model)
     if holders is None:
-        warnings.warn(
+        warn_user(
             "activation checkpointing is off during the measure: a reentrant checkpoint "
             "cannot differentiate with respect to the measured parameters alone; enable it "
-            "with gradient_checkpointing_kwargs={'use_reentrant': False}",
-            stacklevel=4,
+            "with gradient_checkpointing_kwargs={'use_reentrant': False}"
         )
         return False
     if not holders:
@@ -276,10 +287,9 @@ def checkpointing_kept(model: nn.Module, loss: Callable[[], Tensor]) -> bool:
     if not same:
         for module in holders:
             module.training = False
-        warnings.warn(
+        warn_user(
             "activation checkpointing is off during the measure: the layers that hold it "
-            "compute differently in training mode (dropout in their own forward)",
-            stacklevel=4,
+            "compute differently in training mode (dropout in their own forward)"
         )
     return same
 
@@ -291,6 +301,36 @@ def scalar_loss(loss: object) -> Tensor:
     if loss.numel() != 1:
         raise ValueError("loss_fn must return a scalar")
     return loss.reshape(())
+
+
+def grad_owned(function: Callable) -> Callable:
+    """``function`` computes with gradients whatever the caller's mode: under
+    ``torch.no_grad()`` and ``torch.inference_mode()`` too (the caller's is kept)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def usable_for_grad(batch: object) -> object:
+    """``batch`` with every tensor made under ``torch.inference_mode()`` cloned to a
+    normal one (autograd cannot save an inference tensor for backward); others as they
+    are."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(Tensor, lambda t: t.clone() if t.is_inference() else t, batch)
+
+
+def in_float32(outputs: Tensor) -> Tensor:
+    """Half-precision ``outputs`` in float32, others as they are: the precision a loss
+    is computed in (a bfloat16 log-softmax rounds a confident prediction's loss to 0,
+    and every loss to one of its 256 steps per octave)."""
+    if outputs.dtype in (torch.float16, torch.bfloat16):
+        return outputs.float()
+    return outputs
 
 
 def aliases(model: nn.Module) -> list[tuple[Tensor, list[str]]]:
@@ -334,24 +374,57 @@ def frozen_except(model: nn.Module, keep: Iterable[str]) -> Iterator[None]:
             p.requires_grad_(True)
 
 
-@contextlib.contextmanager
-def checkpoint_errors() -> Iterator[None]:
-    """PyTorch's error for a backward with respect to chosen tensors through reentrant
-    activation checkpointing, as a one-line error with its fix."""
-    try:
-        yield
-    except RuntimeError as err:
-        if "use_reentrant=True" not in str(err):
-            raise
-        from .errors import UsageError
+REENTRANT_FIX = (
+    "use use_reentrant=False (PyTorch's recommended setting; in Hugging Face, "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+)
+_NO_INPUT_GRAD = "None of the inputs have requires_grad=True"  # torch's reentrant warning
+_SAID: dict = {}  # the warnings said again, each once (as the default filter would)
 
-        raise UsageError(
-            "the model uses torch.utils.checkpoint with use_reentrant=True, which cannot "
-            "differentiate with respect to the measured parameters alone: use "
-            "use_reentrant=False (PyTorch's recommended setting; in Hugging Face, "
-            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
-            "False}))"
-        ) from None
+
+class Checkpoints:
+    """What :func:`checkpoint_errors` saw: ``cut``, a reentrant checkpoint whose inputs
+    need no gradient (the parameters inside it then get none)."""
+
+    cut = False
+
+    def refuse_unreached(self, unreached: list[str]) -> None:
+        """One-line error when a cut checkpoint left measured parameters without a
+        gradient (a measure would move the rest alone)."""
+        if self.cut and unreached:
+            more = f" and {len(unreached) - 1} more" if len(unreached) > 1 else ""
+            raise UsageError(
+                f"{unreached[0]}{more} get no gradient: inside a torch.utils.checkpoint with "
+                "use_reentrant=True whose inputs need no gradient, so the measure would move "
+                "the other parameters alone; " + REENTRANT_FIX
+            )
+
+
+@contextlib.contextmanager
+def checkpoint_errors() -> Iterator[Checkpoints]:
+    """Around a forward and backward: PyTorch's error for a backward with respect to
+    chosen tensors through reentrant activation checkpointing, as a one-line error
+    with its fix, and its warning that a reentrant checkpoint's inputs need no
+    gradient, as :attr:`Checkpoints.cut` (every other warning is said again)."""
+    import warnings
+
+    seen = Checkpoints()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield seen
+        except RuntimeError as err:
+            if "use_reentrant=True" not in str(err):
+                raise
+            raise UsageError(
+                "the model uses torch.utils.checkpoint with use_reentrant=True, which cannot "
+                "differentiate with respect to the measured parameters alone: " + REENTRANT_FIX
+            ) from None
+    for w in caught:
+        if str(w.message).startswith(_NO_INPUT_GRAD):
+            seen.cut = True
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_SAID)
 
 
 def require_grad(loss: Tensor) -> None:

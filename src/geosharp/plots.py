@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import MissingDependencyError, UsageError
 
-__all__ = ["check_figure_path", "require_matplotlib", "save_png"]
+__all__ = ["check_figure_path", "require_matplotlib", "save_figure", "save_png"]
 
 
 def require_matplotlib(alternative: str = ""):
@@ -52,3 +52,14 @@ def save_png(fig, path: Path, dpi: int = 100) -> Path:
     with Image.open(buffer) as image:
         image.convert("RGB").quantize(colors=256).save(path, optimize=True)
     return Path(path)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 100) -> Path:
+    """Save ``fig`` in the format its suffix names (:func:`check_figure_path`): a
+    compact PNG (:func:`save_png`), else matplotlib's own writer (svg, pdf, ...)."""
+    path = Path(path)
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix == "png":
+        return save_png(fig, path, dpi)
+    fig.savefig(path, dpi=dpi, format=suffix)
+    return path

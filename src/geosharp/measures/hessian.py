@@ -48,6 +48,7 @@ from ..params import (
     evaluation_mode,
     frozen_except,
     functional_loss,
+    grad_owned,
     keeping_tensors,
 )
 from ..symmetry.pairs import Symmetries
@@ -99,7 +100,7 @@ class HessianTraceResult:
         )
 
 
-@torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
+@grad_owned  # also under the caller's no_grad() or inference_mode()
 @keeping_tensors
 def hessian_trace(
     model: nn.Module,
@@ -175,11 +176,12 @@ def hessian_trace(
             # the Hessian-vector products differentiate through the forward: under
             # activation checkpointing it is recomputed then, with the same parameters
             with evaluate.holding(params):
-                loss = evaluate.loss(batch)
-                losses.append(checked_loss(loss, "unperturbed"))
                 leaves = list(params.values())
-                with checkpoint_errors():
+                with checkpoint_errors() as checkpoints:
+                    loss = evaluate.loss(batch)
                     grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+                checkpoints.refuse_unreached([n for n, g in zip(params, grads) if g is None])
+                losses.append(checked_loss(loss, "unperturbed"))
                 if all(g is None for g in grads):
                     raise ValueError("the loss does not depend on the parameters to measure")
                 grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]

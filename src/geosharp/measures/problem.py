@@ -18,14 +18,13 @@ import contextlib
 import functools
 import itertools
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number
+from ..errors import PrecisionWarning, SymmetryWarning, UsageError, real_number, warn_user
 from ..geometry.sharded import Shards
 from ..geometry.space import Geometry, PerturbationSpace
 from ..layout import ParameterLayout
@@ -37,6 +36,7 @@ from ..params import (
     owning_modules,
     require_grad,
     scalar_loss,
+    usable_for_grad,
 )
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
@@ -55,6 +55,7 @@ from .fsdp import (
 
 __all__ = [
     "LEGACY",
+    "FloorError",
     "LossGrad",
     "Measurement",
     "MixedPrecision",
@@ -131,6 +132,24 @@ def matmuls(device: torch.device, precision: str, settings: dict):
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
+def floor_fix(precision: str, cli: bool) -> str:
+    """The way to a finer floor from ``precision`` (``settings["precision"]``), in the
+    command line's words or Python's."""
+    larger = "a larger --rho" if cli else "a larger rho"
+    if "autocast" in precision:
+        return f"measure in float32 ({'no --autocast' if cli else 'no autocast'}) or with {larger}"
+    if "float16" in precision:  # a half-precision model (bfloat16 too)
+        copy = "--dtype float32" if cli else "a float32 copy of the model (model.float())"
+        return f"measure {copy} or with {larger}"
+    if "float32" in precision:
+        return (
+            f"measure with {larger} (float64: the Python API)"
+            if cli
+            else (f"measure in float64 or with {larger}")
+        )
+    return f"measure with {larger}"
+
+
 def floor_message(
     label: str, rho: float, value: float, floor: float, precision: str, cli: bool = False
 ):
@@ -138,19 +157,40 @@ def floor_message(
     when it is not); ``cli``: in the command line's words."""
     if not (math.isfinite(value) and floor > 0 and abs(value) < 10 * floor):
         return None
-    larger = "a larger --rho" if cli else "a larger rho"
-    if "autocast" in precision:
-        fix = f"measure in float32 ({'no --autocast' if cli else 'no autocast'}) or with {larger}"
-    else:
-        fix = (
-            f"measure with {larger} (float64: the Python API)"
-            if cli
-            else (f"measure in float64 or with {larger}")
-        )
     return (
         f"{label} at rho={rho:g} is {value:.3g}, within 10x of the round-off floor of the loss "
         f"in {precision} ({floor:.2g}): the perturbation is near what this precision can see; "
-        + fix
+        + floor_fix(precision, cli)
+    )
+
+
+class FloorError(UsageError):
+    """``strict=True`` and a value within 10x of its floor; :meth:`message` says it in
+    the command line's words too."""
+
+    def __init__(self, label: str, rho: float, value: float, floor: float, precision: str):
+        self.label, self.rho, self.value, self.floor = label, rho, value, floor
+        self.precision = precision
+        super().__init__(self.message())
+
+    def message(self, cli: bool = False) -> str:
+        return floor_message(self.label, self.rho, self.value, self.floor, self.precision, cli)
+
+    def of(self, block: str) -> FloorError:
+        """The same error, naming the block it concerns."""
+        return FloorError(f"{self.label} [{block}]", self.rho, self.value, self.floor,
+                          self.precision)  # fmt: skip
+
+
+def warn_half_loss(dtype: torch.dtype, loss: float) -> None:
+    """Warn that a loss computed in half precision rounds a confident prediction's loss
+    to 0 (log-softmax of a confident row) and every value to its ``eps``."""
+    name = str(dtype).removeprefix("torch.")
+    warn_user(
+        f"the loss is computed in {name} ({loss:.3g}): it resolves {torch.finfo(dtype).eps:.1g} "
+        f"of itself, and rounds a confident prediction's loss to 0; compute it in float32 "
+        "from the outputs (e.g. F.cross_entropy(logits.float(), labels))",
+        PrecisionWarning,
     )
 
 
@@ -160,8 +200,8 @@ def check_floor(label: str, rho: float, value: float, floor: float, precision: s
     if message is None:
         return
     if strict:
-        raise UsageError(message)
-    warnings.warn(message, PrecisionWarning, stacklevel=4)
+        raise FloorError(label, rho, value, floor, precision)
+    warn_user(message, PrecisionWarning)
 
 
 def peek(batches: Iterable) -> tuple[Iterable, int | None, object]:
@@ -210,10 +250,19 @@ def symmetry_report(target: Target, geo: Geometry) -> dict:
     }
 
 
-def say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
-    """Warn (or, ``strict``, raise) when a geodesic measure would treat attention
-    modules element-wise because their symmetry was not understood, or use pair blocks
-    that no numerical check on the model confirmed: one message that names both."""
+GAP_MEANS = {  # who says it, and what a gap in the symmetry does to what it computes
+    "value": ("{}", "the value is not symmetry-correct there (see result.symmetry, "
+              "find_symmetries(model).summary())"),
+    "step": ("GeodesicSAM ({})", "its ascent step is not symmetry-invariant there (see "
+             "find_symmetries(model).summary())"),
+}  # fmt: skip
+
+
+def say_ignored(symmetries: Symmetries, label: str, strict: bool, means: str = "value") -> None:
+    """Warn (or, ``strict``, raise) when a geodesic measure (``means="value"``) or
+    GeodesicSAM (``"step"``) would treat attention modules element-wise because their
+    symmetry was not understood, or use pair blocks that no numerical check on the
+    model confirmed: one message that names both."""
     parts = symmetries.gaps()
     if not parts:
         return
@@ -221,14 +270,11 @@ def say_ignored(symmetries: Symmetries, label: str, strict: bool) -> None:
         parts[-1] += (
             ": pass symmetries found with a batch, find_symmetries(model, batch, loss_fn=...)"
         )
-    message = f"{label}: " + "; and ".join(parts)
-    message += (
-        "; the value is not symmetry-correct there (see result.symmetry, "
-        "find_symmetries(model).summary())"
-    )
+    who, means = GAP_MEANS[means]
+    message = who.format(label) + ": " + "; and ".join(parts) + "; " + means
     if strict:
         raise ValueError(message + "; strict=True")
-    warnings.warn(message, SymmetryWarning, stacklevel=4)  # the caller of sharpness()
+    warn_user(message, SymmetryWarning)  # the caller of sharpness()
 
 
 def label_of(geo: Geometry) -> str:
@@ -336,6 +382,7 @@ def find_target(
     probe: tuple[object, LossFunction] | None = None,
     strict: bool = False,
     unsupported: tuple = (None, False),
+    means: str = "value",
 ) -> Target:
     """The perturbed parameters and their pairs. Without ``symmetries``, they are found
     (:func:`find_symmetries`, on ``probe = (batch, loss_fn)`` when given) only where the
@@ -343,7 +390,7 @@ def find_target(
     geometry with a pair factor on a model whose attention symmetry is partly not
     understood warns once (``strict``: raises). A sharded model (FSDP2) gives this
     process's slices (:mod:`geosharp.fsdp`); ``unsupported = (entries, distributed)``
-    are refused there."""
+    are refused there. ``means``: what the warning says a gap does (:data:`GAP_MEANS`)."""
     check_model(model)
     pairs_only = isinstance(parameters, str) and parameters == "pairs"
     sharded = is_sharded(model)
@@ -370,7 +417,7 @@ def find_target(
         else []
     )
     if geo.metric is not None and symmetries is not None:
-        say_ignored(symmetries, label_of(geo), strict)
+        say_ignored(symmetries, label_of(geo), strict, means)
     dtype, half, narrow = perturbation_dtypes(named)
     upcast = half is not None
     if sharded:  # theta: the model's own slices (a measure that writes them copies them)
@@ -536,7 +583,7 @@ def numbered(
     for i, batch in enumerate(iterator):
         if limit is not None and i >= limit:
             break
-        yield i, batch
+        yield i, usable_for_grad(batch)
 
 
 def checked_loss(loss: object, where: str) -> float:
@@ -597,18 +644,20 @@ class LossGrad:
         # checkpointing recomputes the forward, which must see the point too
         holding = getattr(self.evaluate, "holding", None)
         with holding(leaves) if holding is not None else contextlib.nullcontext():
-            with self.autocast():
-                if holding is not None:
-                    loss = self.evaluate.loss(self.batch)
-                else:
-                    loss = self.evaluate(leaves, self.batch)
-            loss = scalar_loss(loss)
-            require_grad(loss)
-            with checkpoint_errors(), _overwritten(in_place):
-                loss.backward(inputs=list(leaves.values()))
-        for leaf in leaves.values():  # parameters the loss does not reach
-            if id(leaf) not in filled:
-                targets[id(leaf)].zero_()
+            with checkpoint_errors() as checkpoints:
+                with self.autocast():
+                    if holding is not None:
+                        loss = self.evaluate.loss(self.batch)
+                    else:
+                        loss = self.evaluate(leaves, self.batch)
+                loss = scalar_loss(loss)
+                require_grad(loss)
+                with _overwritten(in_place):
+                    loss.backward(inputs=list(leaves.values()))
+        unreached = [name for name, leaf in leaves.items() if id(leaf) not in filled]
+        checkpoints.refuse_unreached(unreached)
+        for name in unreached:  # parameters the loss does not reach
+            targets[id(leaves[name])].zero_()
         if self.mask is not None:  # the entries measured; the rest stay fixed
             out.mul_(self.mask)
         return (loss_value(loss) if self.mean is None else self.mean(loss)), out
@@ -752,6 +801,15 @@ def scale_to(space: PerturbationSpace, xi: Tensor, rho: float) -> Tensor:
     return xi.mul_((rho / space.norm(xi).clamp_min(1e-30)).to(xi.dtype))
 
 
+def _wider(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The next wider floating dtype (MPS has no float64)."""
+    if dtype in HALF:
+        return torch.float32
+    if dtype == torch.float32 and device.type != "mps":
+        return torch.float64
+    return dtype
+
+
 @dataclass
 class Measurement:
     """One measure set up on a model, for its estimator's per-batch estimates: the loss
@@ -772,16 +830,61 @@ class Measurement:
     callback: object = None
     steps: Progress | None = None
     grad_dtype: torch.dtype | None = None  # a half-precision model's, offered to Auto-PGD
+    model: nn.Module | None = None  # whose outputs' precision the floor reads
 
     def unperturbed(self, batch) -> tuple[float, float]:
         """The loss at ``theta`` and its round-off floor: ``|L - L_float32|`` under
-        autocast, measured; else ``eps * |L|`` of the precision the model computes in."""
+        autocast, measured; else the larger of ``eps * |L|`` of the precision the model
+        computes in and :meth:`output_floor`, what the precision of the model's outputs
+        and of the loss's own arithmetic resolves (never 0 because the loss is, as a
+        confident prediction's is in bfloat16)."""
         with self.autocast():
-            loss = checked_loss(self.evaluate(self.theta, batch), "unperturbed")
+            value = self.evaluate(self.theta, batch)
+            loss = checked_loss(value, "unperturbed")
         if self.floor_dtype is None:
             with torch.no_grad():
                 return loss, abs(loss - float(self.evaluate(self.theta, batch)))
-        return loss, torch.finfo(self.floor_dtype).eps * abs(loss)
+        floor = torch.finfo(self.floor_dtype).eps * abs(loss)
+        if self.model is not None:
+            floor = max(floor, self.output_floor(batch, loss, value.dtype))
+        if value.dtype in HALF:
+            warn_half_loss(value.dtype, loss)
+        return loss, floor
+
+    def output_floor(self, batch, loss: float, dtype: torch.dtype) -> float:
+        """``|L' - L|``, ``L'`` the loss from the model's floating outputs each multiplied
+        by ``1 +- eps`` of its dtype (fixed random signs) and widened by one step
+        (half precision to float32, float32 to float64 but on MPS): the change that
+        rounding the outputs makes, and the round-off of the loss computed from them (a
+        log-softmax in bfloat16 rounds a loss of 1e-4 to 0). A loss of exactly 0 that a
+        loss function's own cast keeps 0 there: ``eps`` of the loss's ``dtype`` times the
+        outputs' mean magnitude, what its arithmetic on such outputs rounds away."""
+        from torch.utils._pytree import tree_map_only
+
+        scale = [0.0]
+
+        def rounded(t: Tensor) -> Tensor:
+            if not t.is_floating_point():
+                return t
+            scale[0] = max(scale[0], float(t.detach().abs().float().mean()))
+            generator = torch.Generator(device=t.device).manual_seed(0)
+            signs = torch.randint(0, 2, t.shape, generator=generator, device=t.device)
+            wide = t.to(_wider(t.dtype, t.device))
+            return wide * (1 + torch.finfo(t.dtype).eps * (2 * signs - 1))
+
+        hook = self.model.register_forward_hook(
+            lambda _m, _a, out: tree_map_only(Tensor, rounded, out)
+        )
+        try:
+            with torch.no_grad(), self.autocast():
+                moved = float(scalar_loss(self.evaluate(self.theta, batch)).detach())
+        finally:
+            hook.remove()
+        if not math.isfinite(moved):
+            return 0.0
+        if moved == loss == 0 and dtype.is_floating_point:
+            return torch.finfo(dtype).eps * scale[0]
+        return abs(moved - loss)
 
     def generator(self, index: int) -> torch.Generator:
         """Batch ``index``'s own generator: its value does not depend on which process

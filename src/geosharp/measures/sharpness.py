@@ -16,13 +16,14 @@ computed batch by batch and averaged, as in the paper.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ..errors import PrecisionWarning, UsageError, warn_user
 from ..geometry.space import Geometry, PerturbationSpace
 from ..io import dumps
 from ..params import (
@@ -31,6 +32,7 @@ from ..params import (
     evaluation_mode,
     frozen_except,
     functional_loss,
+    grad_owned,
     keeping_tensors,
 )
 from ..progress import Progress
@@ -41,6 +43,7 @@ from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
 from .fsdp import ShardedGathered, ShardedModel, is_sharded, leaf_owners
 from .problem import (
+    FloorError,
     Measurement,
     MixedPrecision,
     Target,
@@ -128,7 +131,7 @@ class SharpnessResult:
         return text
 
 
-@torch.enable_grad()  # it owns its computation: also under the caller's no_grad()
+@grad_owned  # also under the caller's no_grad() or inference_mode()
 @keeping_tensors
 def sharpness(
     model: nn.Module,
@@ -325,13 +328,10 @@ def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGat
                     "its module, leave it out (parameters=...), or shard float32 parameters"
                 )
         elif target.upcast:  # no other way to measure half-precision shards: said so
-            import warnings
-
-            warnings.warn(
+            warn_user(
                 "this torch's FSDP2 keeps its parameter groups where geosharp cannot read "
                 "them: a perturbed weight read outside its module's forward (a tied head "
-                "written by hand) is not checked for, and would be read unperturbed",
-                stacklevel=3,
+                "written by hand) is not checked for, and would be read unperturbed"
             )
             gathered.point = "gathered, reads outside the owners not checked"
             return gathered
@@ -445,6 +445,7 @@ def _measurement(
         autocast_for(target.device, autocast_dtype),
         None if autocast_dtype is not None else floor_dtype, sharded,
         grad_dtype=half,  # the gradient in the model's precision, as its training step's
+        model=model,
     )  # fmt: skip
 
 
@@ -523,13 +524,28 @@ def block_sharpness(
             raise ValueError("per='head': no attention pairs were found, so there are no heads")
         out = BlockSharpness(per, parameters={n: list(e) for n, e in heads.items()})
         for name, chosen in heads.items():
-            out.blocks[name] = sharpness(*args, symmetries=symmetries, entries=chosen, **options)
+            out.blocks[name] = _block(name, args, symmetries=symmetries, entries=chosen, **options)
         return out
     groups = parameter_blocks(model, per, pairs)
     out = BlockSharpness(per, parameters=groups)
     for name, names in groups.items():
-        out.blocks[name] = sharpness(*args, symmetries=symmetries, parameters=names, **options)
+        out.blocks[name] = _block(name, args, symmetries=symmetries, parameters=names, **options)
     return out
+
+
+def _block(name: str, args: tuple, **options) -> SharpnessResult:
+    """One block's :func:`sharpness`; its floor's warning or error names the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = sharpness(*args, **options)
+        except FloorError as err:
+            raise err.of(name) from None
+    for w in caught:  # said again from the caller's call, the floor's with its block
+        near = issubclass(w.category, PrecisionWarning) and "round-off floor" in str(w.message)
+        message = f"[{name}] {w.message}" if near else w.message
+        warn_user(message, w.category)
+    return result
 
 
 def _counting(steps: Progress, callback):

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..params import in_float32
+
 __all__ = ["accuracy_and_loss", "image_batches", "image_loss", "tiny_vit", "train_image_classifier"]
 
 
@@ -23,7 +25,13 @@ def tiny_vit(
     seed: int = 0,
 ) -> nn.Module:
     """A Hugging Face ``ViTForImageClassification`` (dropout off), seeded."""
-    from transformers import ViTConfig, ViTForImageClassification
+    from ..errors import require
+
+    transformers = require("transformers", "the demo's ViT")
+    ViTConfig, ViTForImageClassification = (
+        transformers.ViTConfig,
+        transformers.ViTForImageClassification,
+    )
 
     config = ViTConfig(
         image_size=image_size,
@@ -45,7 +53,7 @@ def tiny_vit(
 def image_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     """Cross-entropy of a Hugging Face image classifier on ``(pixel_values, labels)``."""
     images, labels = batch
-    return F.cross_entropy(model(pixel_values=images).logits, labels)
+    return F.cross_entropy(in_float32(model(pixel_values=images).logits), labels)
 
 
 def image_batches(
@@ -97,6 +105,6 @@ def accuracy_and_loss(
     correct, total_loss = 0, 0.0
     for x, y in image_batches(images, labels, batch_size):
         logits = model(pixel_values=x).logits
-        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        total_loss += float(F.cross_entropy(in_float32(logits), y, reduction="sum"))
         correct += int((logits.argmax(-1) == y).sum())
     return correct / len(labels), total_loss / len(labels)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..params import evaluation_mode, swapped
-from .discovery import find_symmetries
+from .discovery import call_model, check_inputs, find_symmetries
 from .groups import random_transforms, transform_parameters
 from .pairs import PairSpec, Symmetries
 
@@ -66,17 +66,23 @@ def check_symmetries(
     cond: float = 10.0,
     seed: int = 0,
     tolerance: float | None = None,
+    *,
+    loss_fn: Callable[[nn.Module, object], Tensor] | None = None,
 ) -> SymmetryCheck:
     """Transform every discovered pair by a random well-conditioned ``A`` and report the
     largest change of the model's output on ``batch`` (it must be at round-off); a
     model without pairs gives "nothing to check", never OK.
 
     ``batch`` is passed as ``model(**batch)`` for a mapping, ``model(*batch)`` for a
-    tuple and ``model(batch)`` otherwise. If the check fails, each pair is also tried
-    alone so that the culprit is named. The model is not modified.
+    tuple and ``model(batch)`` otherwise; with ``loss_fn``, it is the batch
+    ``sharpness()`` takes, ``loss_fn(model, batch)`` runs, and the outputs compared are
+    the model's and the loss. If the check fails, each pair is also tried alone so that
+    the culprit is named. The model is not modified.
     """
+    if loss_fn is None:
+        check_inputs(model, batch)
     if symmetries is None:
-        symmetries = find_symmetries(model, batch, warn=False)
+        symmetries = find_symmetries(model, batch, loss_fn=loss_fn, warn=False)
     if not symmetries.pairs:
         return SymmetryCheck(0.0, 0.0, tolerance or 0.0, {}, n_pairs=0)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -86,11 +92,11 @@ def check_symmetries(
     transforms = random_transforms(symmetries, cond, seed)
 
     with evaluation_mode(model):
-        reference = _outputs(model, batch, params)
+        reference = _outputs(model, batch, params, loss_fn)
         scale = max(float(r.abs().max()) for r in reference) or 1.0
 
         def change(pairs: Sequence[PairSpec]) -> float:
-            moved = _outputs(model, batch, transform_parameters(params, pairs, transforms))
+            moved = _outputs(model, batch, transform_parameters(params, pairs, transforms), loss_fn)
             return max(float((a - b).abs().max()) for a, b in zip(moved, reference))
 
         abs_change = change(symmetries.pairs)
@@ -102,15 +108,23 @@ def check_symmetries(
     )
 
 
-def _outputs(model: nn.Module, batch: object, params: Mapping[str, Tensor]) -> list[Tensor]:
-    if isinstance(batch, Mapping):
-        args, kwargs = (), dict(batch)
-    elif isinstance(batch, tuple):
-        args, kwargs = batch, {}
-    else:
-        args, kwargs = (batch,), {}
-    with swapped(model, params):
-        out = model(*args, **kwargs)
+def _outputs(
+    model: nn.Module, batch: object, params: Mapping[str, Tensor], loss_fn=None
+) -> list[Tensor]:
+    """The floating tensors the model outputs on ``batch`` with ``params`` swapped in
+    (with ``loss_fn``: those of each call of the model in ``loss_fn(model, batch)``, and
+    the loss)."""
+    with swapped(model, params), torch.no_grad():
+        if loss_fn is None:
+            out = call_model(model, batch)
+        else:
+            calls: list = []
+            hook = model.register_forward_hook(lambda _m, _a, o: calls.append(o))
+            try:
+                loss = loss_fn(model, batch)
+            finally:
+                hook.remove()
+            out = [*calls, loss]
     tensors = _floating_tensors(out)
     if not tensors:
         raise TypeError("the model's output holds no floating-point tensor to compare")

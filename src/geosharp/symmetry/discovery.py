@@ -27,6 +27,7 @@ symmetry-correct, and the measures say so).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import SymmetryWarning
+from ..errors import SymmetryWarning, UsageError, warn_user
 from ..params import aliases, swapped
 from . import handlers, peft_handlers  # noqa: F401  (register the built-ins)
 from .assemble import Assembly, assemble
@@ -101,14 +102,13 @@ def find_symmetries(
     _classified_phase(model, named, found)
     symmetries = _reported_phase(named, found)
     if warn and symmetries.unrecognized:
-        warnings.warn(
+        warn_user(
             "geosharp does not understand the symmetries of these modules; "
             "their parameters are measured element-wise: "
             + ", ".join(u or "<root>" for u in symmetries.unrecognized)
             + ". See find_symmetries(model).summary(); declare their pairs with "
             "geosharp.symmetry.declare_pair or register_handler if they have any.",
             SymmetryWarning,
-            stacklevel=2,
         )
     return symmetries
 
@@ -269,9 +269,7 @@ def _verified_phase(model, run, candidates, found: _Found, cond, seed, warn: boo
         if check is None or not check.conclusive:
             found.dropped.append(Dropped(pair.module, pair.kind, _unverified(check), exact=False))
             if warn:
-                warnings.warn(
-                    f"{pair.name}: not used, {_unverified(check)}", SymmetryWarning, stacklevel=4
-                )
+                warn_user(f"{pair.name}: not used, {_unverified(check)}", SymmetryWarning)
             continue
         if _kept(pair, found):
             if i < len(found.declared):
@@ -343,11 +341,10 @@ def _refuted_candidate(pair, check, tainted, scaled, found: _Found, warn, declar
     the drop says exactly; otherwise one may exist that geosharp does not represent."""
     if declared and any(_overlap(pair, p) for p in found.pairs):
         if warn:
-            warnings.warn(
+            warn_user(
                 f"{pair.name}: dropped, {_refuted(check)}; the layout traced from the forward "
                 "pass is used instead",
                 SymmetryWarning,
-                stacklevel=5,
             )
         return
     reason = _refuted(check)
@@ -372,7 +369,7 @@ def _refuted_candidate(pair, check, tainted, scaled, found: _Found, warn, declar
         return
     found.dropped.append(Dropped(pair.module, pair.kind, reason, exact=False))
     if warn:
-        warnings.warn(f"{pair.name}: dropped, {reason}", SymmetryWarning, stacklevel=5)
+        warn_user(f"{pair.name}: dropped, {reason}", SymmetryWarning)
 
 
 def _classified_phase(model, named, found: _Found) -> None:
@@ -550,7 +547,40 @@ def _forward(
             return None
     if loss_fn is not None:
         return lambda: loss_fn(model, inputs)
-    return lambda: _call(model, inputs)
+    check_inputs(model, inputs)
+    return lambda: call_model(model, inputs)
+
+
+def check_inputs(model: nn.Module, inputs: object) -> None:
+    """One-line error, before anything runs, when ``inputs`` cannot be the model's own
+    (passed as in :func:`call_model`): ``forward`` does not take them, or a tuple holds a
+    mapping (``(inputs, labels)``, the batch a loss function takes)."""
+    how = (
+        "model(**batch)" if isinstance(inputs, Mapping)
+        else "model(*batch)" if isinstance(inputs, tuple) else "model(batch)"
+    )  # fmt: skip
+    reason = None
+    if isinstance(inputs, tuple) and any(isinstance(x, Mapping) for x in inputs):
+        reason = "it holds a dict of inputs beside other items"
+    else:
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a builtin: nothing to read
+            return
+        try:
+            if isinstance(inputs, Mapping):
+                signature.bind(**inputs)
+            elif isinstance(inputs, tuple):
+                signature.bind(*inputs)
+            else:
+                signature.bind(inputs)
+        except TypeError as err:
+            reason = f"model.forward does not take it ({err})"
+    if reason is not None:
+        raise UsageError(
+            f"the batch is passed to the model as {how}, and {reason}: pass the model's own "
+            "inputs, or the batch sharpness() takes with its loss_fn= (loss_fn(model, batch))"
+        )
 
 
 def _head(batch: object, n: int = 2) -> object | None:
@@ -578,7 +608,9 @@ def _tensors_of(obj: object) -> list[Tensor]:
     return [x for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
 
 
-def _call(model: nn.Module, inputs: object) -> object:
+def call_model(model: nn.Module, inputs: object) -> object:
+    """``model(**inputs)`` for a mapping, ``model(*inputs)`` for a tuple, else
+    ``model(inputs)``."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, tuple):
@@ -606,19 +638,17 @@ def _traced(
         if meta or synthetic:
             reason = "the forward pass on " + ("the meta device" if meta else "random inputs")
             if warn:
-                warnings.warn(
+                warn_user(
                     f"symmetry discovery could not run {reason} ({type(err).__name__}: {err}); "
-                    "pass a batch: find_symmetries(model, batch)",
-                    stacklevel=3,
+                    "pass a batch: find_symmetries(model, batch)"
                 )
             return None
         with torch.no_grad(), _eval(model):
             run()  # the model's own error, if it is one
         if warn:
-            warnings.warn(
+            warn_user(
                 f"symmetry discovery could not follow the forward pass ({type(err).__name__}: "
-                f"{err}); only declared layouts are used",
-                stacklevel=3,
+                f"{err}); only declared layouts are used"
             )
         return None
     return assemble(tracer.trace, [n for n, _ in model.named_modules()])
@@ -642,11 +672,11 @@ def _traced_parts(model: nn.Module, meta: bool):
         inputs = example_inputs(part)
         if inputs is None:
             continue
-        assembly = _traced(part, lambda p=part, x=inputs: _call(p, x), meta, True, warn=False)
+        assembly = _traced(part, lambda p=part, x=inputs: call_model(p, x), meta, True, warn=False)
         if assembly is None:
             continue
         found.append(_prefixed(assembly, name, len(found) << 44))
-        runs.append(lambda p=part, x=inputs: _call(p, x))
+        runs.append(lambda p=part, x=inputs: call_model(p, x))
     if not found:
         return None, None
     merged = Assembly(

@@ -29,11 +29,11 @@ warning when its weight is trainable.
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from ..errors import warn_user
 from .pairs import Block, PairSpec, positions
 from .registry import NameOf, nested_pairs, register_handler, register_matcher
 
@@ -65,11 +65,10 @@ def warn_skipped(layer: nn.Module, prefix: str, role: str) -> None:
     weight = getattr(base if base is not None else layer, "weight", None)
     if isinstance(weight, Tensor) and weight.requires_grad:
         cls = type(layer)
-        warnings.warn(
+        warn_user(
             f"{prefix}: the {role or 'projection'} is a {cls.__module__}.{cls.__qualname__}, "
             "not a plain linear layer (an adapter wrapper or a parametrisation); the attention "
-            "pairs that use it are left out and its weights are measured element-wise",
-            stacklevel=3,
+            "pairs that use it are left out and its weights are measured element-wise"
         )
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from ..errors import warn_user
 from .discovery import find_symmetries, verify_symmetries
 from .groups import checked_cond, random_transforms, transform_parameters
 from .pairs import Symmetries
@@ -24,14 +24,16 @@ def reparameterize(
     transforms: Mapping[str, Tensor] | None = None,
     *,
     batch: object = None,
+    loss_fn: Callable[[nn.Module, object], Tensor] | None = None,
     unverified: bool = False,
 ) -> dict[str, Tensor]:
     """Apply a random (or given) symmetry transform to ``model`` **in place**.
 
     The function computed by the model does not change (up to round-off); every
     pair's blocks become ``(G A, H A^{-T})``. Returns the transforms used. Pairs are
-    verified on ``batch`` first (passed as in :func:`find_symmetries`; default, random
-    inputs for a Hugging Face model); pairs that were never checked on the model
+    verified on ``batch`` first (passed as in :func:`find_symmetries`: the model's
+    inputs, or with ``loss_fn`` the batch ``sharpness()`` takes; default, random inputs
+    for a Hugging Face model); pairs that were never checked on the model
     (declared by hand, found without inputs) are refused, unless ``unverified=True``
     applies them as declared. A model with no pairs is left as it is, with a warning
     (there is nothing to transform: comparing a measure before and after would prove
@@ -40,9 +42,9 @@ def reparameterize(
     if transforms is None:
         cond = checked_cond(cond)  # before anything is touched
     if symmetries is None:
-        symmetries = find_symmetries(model, batch)
+        symmetries = find_symmetries(model, batch, loss_fn=loss_fn)
     elif batch is not None and symmetries.unverified:
-        checked = verify_symmetries(model, symmetries, batch)
+        checked = verify_symmetries(model, symmetries, batch, loss_fn=loss_fn)
         refuted = [n for n in symmetries.unverified if n not in checked.verified]
         if refuted:
             raise ValueError(
@@ -59,10 +61,9 @@ def reparameterize(
             "function: pass batch= to verify them, or unverified=True to apply them as declared"
         )
     if not symmetries.pairs:
-        warnings.warn(
+        warn_user(
             "reparameterize: nothing to transform, the model has no symmetric pairs (see "
-            "find_symmetries(model).summary()); the model is unchanged",
-            stacklevel=2,
+            "find_symmetries(model).summary()); the model is unchanged"
         )
         return {}
     transforms = dict(transforms or random_transforms(symmetries, cond, seed))
