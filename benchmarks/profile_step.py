@@ -20,10 +20,12 @@ import cProfile
 import json
 import pstats
 
-METHODS = (
-    "retr_", "pullback_", "proju_", "direction_", "combine_", "inner", "norm",
-    "scale_", "clamp_box_", "empty",
-)  # fmt: skip
+METHODS = {  # method -> the file that defines it: the space's, the Auto-PGD kernel's
+    "retr_": "space.py", "pullback_": "space.py", "proju_": "space.py",
+    "inner": "space.py", "norm": "space.py", "empty": "space.py",
+    "direction_": "apgd_step.py", "combine_": "apgd_step.py",
+    "scale_": "elementwise.py", "clamp_box_": "elementwise.py",
+}  # fmt: skip
 
 
 PAIR_METHOD: dict[str, str] = {}  # the pair factor's part, where named apart
@@ -79,10 +81,10 @@ def profile(measure: str, batch: int, tokens: int, n_iters: int = 6) -> dict:
         "forward_backward_s": forward_backward / calls,
         "step_s": total / calls,
     }
-    # the whole space's methods (geometry/space.py), and the pair blocks' share of each
+    # the space's and the kernel's methods, and the pair blocks' share of each
     # (geometry/stacked.py, called from them)
     row["methods_s"] = {
-        m: cumulative("space.py", m) / n_steps for m in METHODS if cumulative("space.py", m)
+        m: cumulative(f, m) / n_steps for m, f in METHODS.items() if cumulative(f, m)
     }
     row["pairs_s"] = {
         m: cumulative("stacked.py", PAIR_METHOD.get(m, m)) / n_steps

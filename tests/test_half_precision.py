@@ -54,10 +54,10 @@ def test_a_bfloat16_model_is_read_in_place_in_float32():
     space = PerturbationSpace(target.theta, target.layout, target.pairs, geo, dtype=torch.float32)
     assert space.empty().dtype == torch.float32
     flat = target.layout.flatten({n: t.float() for n, t in target.theta.items()})
-    assert torch.equal(space.theta_flat(), flat)
+    assert torch.equal(space.elementwise.theta_flat(), flat)
     adaptive = Geometry.named("adaptive")
     scale = PerturbationSpace(target.theta, target.layout, [], adaptive, dtype=torch.float32)
-    assert torch.equal(scale.scale, flat.abs())
+    assert torch.equal(scale.elementwise.scale, flat.abs())
 
 
 def test_a_module_with_submodules_and_perturbed_weights_is_measured_all_in_float32():

@@ -44,7 +44,7 @@ def _dense(model, batches, space):
     """The matrix K of the quadratic form Hess f(v, v) = v^T K v, built from autograd's
     dense Hessian and the path's second-order term read off ``space.retr``."""
     layout = space.layout
-    theta = space.theta_flat()
+    theta = space.elementwise.theta_flat()
 
     def f(flat):
         params = layout.unflatten(flat)
@@ -111,7 +111,7 @@ def test_acceleration_is_the_second_order_term_of_the_step():
             {n: p.detach() for n, p in named}, ParameterLayout.from_named(named), pairs, geo
         )
         xi = space.random(torch.Generator().manual_seed(0))
-        theta = space.theta_flat()
+        theta = space.elementwise.theta_flat()
         a = space.acceleration(xi)
         for t in (1e-2, 1e-3):
             second = 2 * (space.retr(t * xi) - theta - t * xi) / t**2

@@ -304,7 +304,7 @@ def test_auto_pgd_iterates_stay_in_the_ball_and_horizontal(small, name, metric):
     theta = layout.flatten({n: p.detach() for n, p in named})
     sym = geosharp.find_symmetries(small.model)
     space = PerturbationSpace(theta, layout, sym.pairs, Geometry.named(name, metric))
-    assert space.straight == (name != "geodesic")
+    assert space.geometry.straight == (name != "geodesic")
     seen, calls = [], []
     loss = geosharp.params.functional_loss(small.model, small.loss_fn)
 

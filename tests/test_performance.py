@@ -37,6 +37,7 @@ from geosharp.layout import (
     strided_segments,
 )
 from geosharp.measures import apgd, auto_pgd, estimators
+from geosharp.measures.apgd_step import StepKernel
 from geosharp.params import functional_loss
 from geosharp.symmetry.groups import read_block
 from geosharp.symmetry.pairs import Block
@@ -362,6 +363,7 @@ def test_inplace_methods_match(encoder, name, metric, eps, step):
     _, layout, theta, pairs = encoder
     geometry = Geometry.named(name, metric=metric, eps=eps, elementwise_step=step)
     space = PerturbationSpace(theta, layout, pairs, geometry)
+    kernel = StepKernel(space)
     gen = torch.Generator().manual_seed(0)
     xi = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
     xp = space.proju(0.01 * torch.randn(theta.shape, generator=gen, dtype=F64) * theta.abs())
@@ -378,37 +380,37 @@ def test_inplace_methods_match(encoder, name, metric, eps, step):
     pulled = space.pullback_(step, egrad.clone())
     assert rel(pulled, expected) < 1e-13
 
-    # split_direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g))
+    # direction_ + combine_ == kx xi + kd d + kxp xp with d = proju(egrad2rgrad(g))
     d = space.proju(space.egrad2rgrad(pulled))
     work = pulled.clone()
-    sq = space.split_direction_(work)
+    sq, _ = kernel.direction_(work)
     assert math.isclose(float(sq), float(space.inner(d, d)), rel_tol=1e-10)
     kd, kx, kp = (torch.tensor(v, dtype=F64) for v in (0.3, 0.9, -0.2))
-    space.combine_(work, kd, xi, kx, xp, kp)
+    kernel.combine_(work, kd, xi, kx, xp, kp)
     assert rel(work, 0.3 * d + 0.9 * xi - 0.2 * xp) < 1e-12
     # direction_ reads the Euclidean <xi, g>, <xp, g> in the same pass
     again = pulled.clone()
-    sq2, (dx, dp) = space.direction_(again, xi, xp)
+    sq2, (dx, dp) = kernel.direction_(again, xi, xp)
     assert float(sq2) == float(sq)
     assert math.isclose(float(dx), float(torch.dot(xi, pulled)), rel_tol=1e-12)
     assert math.isclose(float(dp), float(torch.dot(xp, pulled)), rel_tol=1e-12)
     # ascent_ == pullback_ then direction_ (one pass over the pair blocks where fused),
     # also from the retraction's matrices made again without a point
     fused = egrad.clone()
-    sq3, (dx3, dp3) = space.ascent_(space.retraction(xi), fused, xi, xp)
+    sq3, (dx3, dp3) = kernel.ascent_(kernel.retraction(xi), fused, xi, xp)
     assert rel(fused, again) < 1e-13
     for got, want in ((sq3, sq2), (dx3, dx), (dp3, dp)):
         assert math.isclose(float(got), float(want), rel_tol=1e-12)
     # the step's point written in the same pass as the step, over xp's buffer
-    if space.fused_step:
+    if kernel.fused_step:
         point = xp.clone()
-        space.combine_(again, kd, xi, kx, point, kp, point=point)
+        kernel.combine_(again, kd, xi, kx, point, kp, point=point)
         space.retr_(again, point, written=True)
         assert torch.equal(again, work)
         assert torch.allclose(point, space.retr(work), rtol=1e-14, atol=1e-15)
     else:
         with pytest.raises(ValueError, match="exponential"):
-            space.combine_(again, kd, xi, kx, xp, kp, point=xp.clone())
+            kernel.combine_(again, kd, xi, kx, xp, kp, point=xp.clone())
     # <xi, d>_g equals the Euclidean <xi, egrad> (xi horizontal): the loop relies on it
     assert math.isclose(float(space.inner(xi, d)), float(torch.dot(xi, pulled)), rel_tol=1e-9)
 
@@ -529,9 +531,10 @@ def test_space_keeps_no_parameter_sized_vector(name):
     held = held_by_space()
     assert sum(t.untyped_storage().nbytes() for t in held.values()) <= bound
     g, x = torch.randn(layout.numel), torch.randn(layout.numel)
-    space.split_direction_(g)
+    kernel = StepKernel(space)
+    kernel.direction_(g)
     one = torch.ones(())
-    space.combine_(g, one, x, one)
+    kernel.combine_(g, one, x, one)
     assert sum(t.untyped_storage().nbytes() for t in held_by_space().values()) <= bound
     # no pair's block (heads, n, h): every held tensor is smaller than the smallest
     stacks = {}  # a stack's h x h matrices: (heads of pairs of one shape, h, h)
@@ -543,14 +546,14 @@ def test_space_keeps_no_parameter_sized_vector(name):
     assert not any(t.dtype == torch.long for t in _tensors(space))  # no index tensors
     # exact zeros cannot move with the relative scale: the mask of frozen entries
     adaptive = Geometry.named("adaptive")
-    before = PerturbationSpace(dict(named), layout, pairs, adaptive).active
+    before = PerturbationSpace(dict(named), layout, pairs, adaptive).elementwise.active
     n_before = 0 if before is None else int((~before).sum())
     with torch.no_grad():
         case.model.head.bias.zero_()
-    after = PerturbationSpace(dict(named), layout, pairs, adaptive).active
+    after = PerturbationSpace(dict(named), layout, pairs, adaptive).elementwise.active
     assert after is not None and int((~after).sum()) == n_before + case.model.head.bias.numel()
     unfrozen = {n: p.detach().abs() + 1 for n, p in named}
-    assert PerturbationSpace(unfrozen, layout, pairs, adaptive).active is None
+    assert PerturbationSpace(unfrozen, layout, pairs, adaptive).elementwise.active is None
 
 
 # -- the loop: calls, allocations, synchronisation -------------------------------------------
@@ -811,13 +814,14 @@ def test_cached_scale_changes_no_value(encoder, name):
         return sum(t.numel() == space.numel and t.dim() == 1 for t in _tensors(space))
 
     assert parameter_sized(cached) == parameter_sized(lean) + 1  # c, kept
-    assert torch.equal(lean.scale, cached.scale)
+    assert torch.equal(lean.elementwise.scale, cached.elementwise.scale)
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(theta.shape, generator=gen, dtype=F64)
-    assert torch.equal(lean.scale_(g.clone(), 2), cached.scale_(g.clone(), 2))
+    lean_c, cached_c = lean.elementwise, cached.elementwise
+    assert torch.equal(lean_c.scale_(g.clone(), 2), cached_c.scale_(g.clone(), 2))
     assert torch.equal(lean.egrad2rgrad(g), cached.egrad2rgrad(g))
     a, b = g.clone(), g.clone()
-    assert torch.equal(lean.split_direction_(a), cached.split_direction_(b))
+    assert torch.equal(StepKernel(lean).direction_(a)[0], StepKernel(cached).direction_(b)[0])
     assert torch.equal(a, b)
 
 

@@ -178,7 +178,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         ).to(space.dtype)
         direction = space.proju_(space.egrad2rgrad_(grad))
         norm = float(space.norm(direction))
-        self._saved = space.theta_flat()
+        self._saved = space.elementwise.theta_flat()
         if self.rho > 0 and norm > 0 and math.isfinite(norm):
             xi = direction.mul_(self.rho / norm)
             point = space.empty()

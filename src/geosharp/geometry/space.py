@@ -146,6 +146,12 @@ class Geometry:
         return self.elementwise.step == "exp"
 
     @property
+    def straight(self) -> bool:
+        """Whether the step is the straight line ``theta + xi`` (no geodesic correction,
+        no exponential)."""
+        return not (self.geodesic_step or self.exp_elementwise)
+
+    @property
     def holds_point(self) -> bool:
         """Whether every entry steps on the straight line ``theta + xi`` (no pair
         factor, no exponential): Auto-PGD may then keep an iterate in its point's buffer
@@ -173,17 +179,20 @@ class PerturbationSpace:
     ``theta``'s (float32 tangents of a bfloat16 model) reads ``theta`` piece by piece in
     it, exactly, and keeps no wider copy.
 
-    Operations mirror geoopt's manifold interface: :meth:`inner`, :meth:`proju`
-    (horizontal projection), :meth:`egrad2rgrad`, :meth:`retr` (the perturbed point
-    ``gamma_xi(1)``), plus :meth:`random` (a Gaussian in the metric). The in-place
-    methods :meth:`retr_`, :meth:`pullback_`, :meth:`split_direction_` and
-    :meth:`combine_` serve Auto-PGD's inner loop; what one passes to the next is
-    explicit (:class:`Retraction`). The element-wise factor (:attr:`elementwise`)
-    computes its scale ``c`` and mask of frozen entries from ``theta`` piece by piece
-    where used (:attr:`scale` and :attr:`active` build them whole, for inspection): the
-    space keeps no parameter-sized vector, unless ``cache_scale=True`` keeps ``c`` (one
-    vector, and a multiplication instead of a piece-wise computation wherever it is
-    applied). The pair factor (:attr:`pairs`, ``None`` without one) holds the stacked
+    The interface is geoopt's manifold's, for a product of two factors:
+    :meth:`inner` and :meth:`norm` (the metric), :meth:`proju` (the horizontal
+    projection), :meth:`egrad2rgrad` (gradient to ascent direction), :meth:`retr` (the
+    perturbed point ``gamma_xi(1)``, a second-order retraction) with :meth:`retr_` and
+    :meth:`pullback_` (the same in place, for a loop: what one passes to the next is a
+    :class:`Retraction`), :meth:`random` (a Gaussian in the metric) and
+    :meth:`acceleration`; Auto-PGD's fused passes live in
+    :mod:`geosharp.measures.apgd_step`, over the factors. The element-wise factor
+    (:attr:`elementwise`) computes its scale ``c`` and mask of frozen entries from
+    ``theta`` piece by piece where used (``elementwise.scale`` and ``.active`` build them
+    whole, for inspection): the space keeps no parameter-sized vector, unless
+    ``cache_scale=True`` keeps ``c`` (one vector, and a multiplication instead of a
+    piece-wise computation wherever it is applied). The pair factor (:attr:`pairs`,
+    ``None`` without one) holds the stacked
     pairs and their states, which own the pair maths.
     """
 
@@ -204,7 +213,6 @@ class PerturbationSpace:
         self.layout = layout
         self.geometry = geometry
         self.shards = shards
-        self._sum = (lambda t: t) if shards is None else shards.reduce
         self.pairs: PairSpace | None = None
         if geometry.pairs is not None:
             stacks, reduce = None, None
@@ -217,13 +225,12 @@ class PerturbationSpace:
         self.elementwise = ElementwiseSpace(
             geometry.elementwise, params, layout, claimed, cache_scale, self.dtype
         )
-        # the pair factor where it owns the metric of its entries, else None
-        self._ball = self.pairs if self.pairs is not None and self.pairs.ball else None
-
-    @property
-    def blocks(self) -> list[StackedPairs]:
-        """The stacked pairs of the pair factor (empty without one)."""
-        return self.pairs.blocks if self.pairs is not None else []
+        #: the pair factor where its metric measures its entries (the ball), else None
+        self.ball_pairs = self.pairs if self.pairs is not None and self.pairs.ball else None
+        #: the stacked pairs of the pair factor (empty without one)
+        self.blocks: list[StackedPairs] = self.pairs.blocks if self.pairs is not None else []
+        #: the sum over the processes that hold a slice each (the identity unsharded)
+        self.reduce = (lambda t: t) if shards is None else shards.reduce
 
     def refresh(self) -> PerturbationSpace:
         """Recompute what depends on the values of ``theta`` (the pair states, the frozen
@@ -238,62 +245,28 @@ class PerturbationSpace:
     def _params(self) -> dict[str, Tensor]:
         return {n: part.theta for n, part in zip(self.layout.names, self.elementwise.parts)}
 
-    # -- the base point, piece by piece --------------------------------------------------
-
     def empty(self) -> Tensor:
         """A new uninitialised flat tangent."""
         return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
-    def theta_flat(self) -> Tensor:
-        """``theta`` as a new flat vector (for references and tests; the loop never
-        needs it)."""
-        return self.elementwise.theta_flat()
-
-    @property
-    def straight(self) -> bool:
-        """Whether the step is the straight line ``theta + xi`` (no geodesic correction,
-        no exponential)."""
-        return not (self.geometry.geodesic_step or self.geometry.exp_elementwise)
-
-    def scale_(self, x: Tensor, power: int = 1) -> Tensor:
-        """``x <- c^power x`` in place (zero where ``c = 0``)."""
-        return self.elementwise.scale_(x, power)
-
-    @property
-    def scale(self) -> Tensor:
-        """The element-wise scale ``c`` as a new flat vector (for inspection)."""
-        return self.elementwise.scale
-
-    @property
-    def active(self) -> Tensor | None:
-        """Boolean flat mask of the entries a perturbation may use (a new vector), or
-        ``None`` when all may."""
-        return self.elementwise.active
-
     def dot(self, x: Tensor, y: Tensor) -> Tensor:
         """Euclidean ``<x, y>`` (0-d, float64), accumulated chunk by chunk in float64: a
         single float32 dot product of 10^8 entries can be off by 1e-3."""
-        return self._sum(dot(x, y, self.elementwise.chunk))
+        return self.reduce(dot(x, y, self.elementwise.chunk))
 
     # -- metric ---------------------------------------------------------------------------
 
     def inner(self, xi: Tensor, eta: Tensor) -> Tensor:
         """``g(xi, eta)`` (0-d tensor, float64)."""
-        total = self._sum(self.elementwise.inner(xi, eta))
-        return self._ball.inner(xi, eta, total) if self._ball is not None else total
+        total = self.reduce(self.elementwise.inner(xi, eta))
+        return self.ball_pairs.inner(xi, eta, total) if self.ball_pairs is not None else total
 
     def norm(self, xi: Tensor) -> Tensor:
+        """The metric norm, or the largest ``|xi_j| / c_j`` for ``p = inf``."""
         if self.geometry.p == float("inf"):
-            return self.linf_norm(xi)
+            best = self.elementwise.linf_norm(xi)
+            return best if self.shards is None else self.shards.reduce_max(best)
         return self.inner(xi, xi).clamp_min(0).sqrt()
-
-    def linf_norm(self, xi: Tensor) -> Tensor:
-        best = self.elementwise.linf_norm(xi)
-        return best if self.shards is None else self.shards.reduce_max(best)
-
-    def clamp_box_(self, xi: Tensor, rho: float) -> Tensor:
-        """Clamp ``xi`` in place into the element-wise box ``|xi_j| <= rho c_j``."""
-        return self.elementwise.clamp_box_(xi, rho)
 
     # -- projections ----------------------------------------------------------------------
 
@@ -304,8 +277,8 @@ class PerturbationSpace:
     def proju_(self, xi: Tensor) -> Tensor:
         """:meth:`proju` in place (returns ``xi``)."""
         self.elementwise.freeze_(xi)
-        if self._ball is not None:
-            self._ball.proju_(xi)
+        if self.ball_pairs is not None:
+            self.ball_pairs.proju_(xi)
         return xi
 
     def egrad2rgrad(self, egrad: Tensor) -> Tensor:
@@ -314,144 +287,24 @@ class PerturbationSpace:
 
     def egrad2rgrad_(self, egrad: Tensor) -> Tensor:
         """:meth:`egrad2rgrad` in place (returns ``egrad``)."""
-        pair_grads = self._ball.egrad2rgrad(egrad) if self._ball is not None else []
-        self.scale_(egrad, 2)
-        if self._ball is not None:
-            self._ball.write_(egrad, pair_grads)
+        pair_grads = self.ball_pairs.egrad2rgrad(egrad) if self.ball_pairs is not None else []
+        self.elementwise.scale_(egrad, 2)
+        if self.ball_pairs is not None:
+            self.ball_pairs.write_(egrad, pair_grads)
         return egrad
 
     def horizontal_residual(self, xi: Tensor) -> Tensor:
         """Largest ``|R|`` over pairs, relative to the size of ``xi``: 0 iff horizontal."""
-        if self._ball is not None:
-            worst = self._ball.horizontal_residual(xi)
+        if self.ball_pairs is not None:
+            worst = self.ball_pairs.horizontal_residual(xi)
         else:
             worst = torch.zeros((), dtype=torch.float64, device=xi.device)
         return worst / self.norm(xi).clamp_min(1e-300)
 
-    # -- Auto-PGD's inner loop, in place ---------------------------------------------------
-
-    def split_direction_(self, egrad: Tensor) -> Tensor:
-        r"""Start the ascent direction ``d = proju(egrad2rgrad(egrad))`` in place.
-
-        Pair entries of ``egrad`` become those of ``d``, stack by stack; element-wise
-        entries become ``c * egrad`` (``d = c^2 egrad`` there: :meth:`combine_` applies
-        the second ``c``). Returns ``||d||^2`` (float64, 0-d), as ``<d, egrad>``
-        (Euclidean): the Riemannian gradient represents ``egrad`` in the metric and
-        ``d`` is horizontal. No vector beyond ``egrad`` is made.
-        """
-        return self.direction_(egrad)[0]
-
-    def direction_(self, egrad: Tensor, *others: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`split_direction_`, and the Euclidean ``<y, egrad>`` of each ``y`` of
-        ``others`` before it, read in the same pass (float64, 0-d each)."""
-        sq, dots = self.elementwise.direction_(egrad, others)
-        sums = self._sum(torch.stack([sq, *dots]))
-        if self._ball is not None:  # after: the element-wise pass keeps the pair entries
-            sums[0] += self._ball.direction_(egrad)
-        return sums[0], list(sums[1:])
-
-    def ascent_(
-        self, step: Retraction, grad: Tensor, *others: Tensor
-    ) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`pullback_` then :meth:`direction_`: ``grad``, the Euclidean gradient at
-        the point of ``step``, becomes the ascent direction ``d`` of its pullback ``g``, in
-        place; returns ``||d||^2`` and ``<y, g>`` for each ``y`` of ``others``. Where the
-        pairs are measured in their metric and stepped along their geodesic, each
-        stack's blocks are pulled back and turned into ``d`` in one pass (read once,
-        written once), and the element-wise pass leaves their entries alone."""
-        if self._ball is None or not self.geometry.geodesic_step:
-            self.pullback_(step, grad)
-            return self.direction_(grad, *others)
-        with torch.no_grad():
-            if self.elementwise.exp:
-                self._exp_pullback_(step, grad)
-            sq, dots = self.elementwise.direction_(grad, others, claimed=False)
-            pair_sq, pair_dots = self._ball.ascent_(step.xi, grad, step.saved, others)
-            sums = self._sum(torch.stack([sq + pair_sq, *(a + b for a, b in zip(dots, pair_dots))]))
-        return sums[0], list(sums[1:])
-
-    def combine_(
-        self,
-        out: Tensor,
-        kd: Tensor,
-        x: Tensor,
-        kx: Tensor,
-        xp: Tensor | None = None,
-        kxp: Tensor | None = None,
-        point: Tensor | None = None,
-    ) -> Tensor:
-        """``out <- kd d + kx x + kxp xp`` where ``out`` comes from :meth:`split_direction_`
-        (scalars: 0-d tensors, so nothing waits for the device). With ``point`` (where
-        :attr:`fused_step`), also writes the element-wise entries of :meth:`retr` of the
-        result into ``point`` in the same pass: :meth:`retr_` with ``written=True``
-        completes it. ``point`` may be ``xp``'s buffer."""
-        return self.elementwise.combine_(out, kd, x, kx, xp, kxp, point)
-
-    # -- the iterate held as its point, beside a narrower gradient ----------------------
-
-    @property
-    def holds_point(self) -> bool:
-        """Whether the step is the straight line ``theta + xi`` on every entry, so that
-        Auto-PGD may keep an iterate in the buffer of its point and a gradient narrower
-        than the tangents (a half-precision model's): :meth:`held_direction_`,
-        :meth:`held_combine_`, :meth:`held_box_`."""
-        return self.geometry.holds_point
-
-    def hold_(self, x: Tensor, point: bool = True) -> Tensor:
-        """``x <- theta + x`` (``point``) or back ``x <- x - theta``, in place."""
-        with torch.no_grad():
-            return self.elementwise.hold_(x, point)
-
-    def tangent(self, x: Tensor) -> Tensor:
-        """The tangent of a buffer that holds its point, as a new vector."""
-        return self.hold_(x.clone(), point=False)
-
-    def held_direction_(
-        self, x: Tensor, grad: Tensor, *others: Tensor
-    ) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`ascent_` for :attr:`holds_point`, ``grad`` the gradient at the point
-        that ``x`` holds: ``x`` read back as the tangent first; ``grad`` is read, never
-        written (returns ``||d||^2``, ``<x, grad>`` and ``<y, grad>`` for each ``y`` of
-        ``others``)."""
-        with torch.no_grad():
-            sq, dots = self.elementwise.held_direction_(grad, x, others)
-            sums = self._sum(torch.stack([sq, *dots]))
-        return sums[0], list(sums[1:])
-
-    def held_combine_(
-        self,
-        grad: Tensor,
-        kd: Tensor,
-        x: Tensor,
-        kx: Tensor,
-        xp: Tensor | None,
-        kxp: Tensor | None,
-        out: Tensor,
-    ) -> Tensor:
-        """``out <- theta + kd d + kx x + kxp xp`` with ``d = c^2 grad``: the next iterate,
-        held as its point (``out`` may be ``xp``'s buffer)."""
-        with torch.no_grad():
-            return self.elementwise.held_combine_(grad, kd, x, kx, xp, kxp, out)
-
-    def held_box_(
-        self, x: Tensor, grad: Tensor, xp: Tensor | None, out: Tensor, eta, a, rho
-    ) -> Tensor:
-        """Auto-PGD's L-infinity step for :attr:`holds_point` from the point that ``x``
-        holds (read back as the tangent; ``out`` may be ``xp``'s buffer): the next
-        iterate, held as its point."""
-        with torch.no_grad():
-            return self.elementwise.held_box_(grad, x, xp, out, eta, a, rho)
-
-    @property
-    def fused_step(self) -> bool:
-        """Whether :meth:`combine_` can write the point's element-wise entries (the
-        straight element-wise step)."""
-        return not self.elementwise.exp
-
     def retr_(self, xi: Tensor, out: Tensor, written: bool = False) -> Retraction:
         """Write :meth:`retr` into ``out`` (not differentiable); returns what
-        :meth:`pullback_` needs. ``written``: :meth:`combine_` wrote the element-wise
-        entries already."""
+        :meth:`pullback_` needs. ``written``: a fused step wrote the element-wise entries
+        already (:meth:`geosharp.measures.apgd_step.StepKernel.combine_`)."""
         saved: list[object] = []
         with torch.no_grad():
             if not written:
@@ -460,27 +313,17 @@ class PerturbationSpace:
                 saved = self.pairs.retr_(xi, out, straighten=self.elementwise.exp)
         return Retraction(xi, saved)
 
-    def retraction(self, xi: Tensor) -> Retraction:
-        """What :meth:`retr_` at ``xi`` saves for the pullback, made again without
-        writing a point (the pairs' ``h x h`` matrices)."""
-        saved: list[object] = []
-        if self.pairs is not None and self.geometry.geodesic_step:
-            with torch.no_grad():
-                saved = self.pairs.saved(xi, straighten=self.elementwise.exp)
-        return Retraction(xi, saved)
-
-    def pullback_(self, step: Retraction, grad: Tensor) -> Tensor:
+    def pullback_(self, step: Retraction, grad: Tensor, pairs: bool = True) -> Tensor:
         """Turn ``grad``, the gradient at the point of ``step``, into the gradient with
         respect to its ``xi``, in place: the step is the identity but for the geodesic
         correction of pairs and, with ``elementwise_step="exp"``, the factor
         ``exp(xi / theta)`` of element-wise entries (pair entries keep the straight
-        step)."""
+        step). ``pairs=False`` leaves the pair blocks to a fused pass of the caller."""
         with torch.no_grad():
             if self.elementwise.exp:
                 self._exp_pullback_(step, grad)
-            if not self.geometry.geodesic_step:
-                return grad
-            self.pairs.pullback_(step.xi, grad, step.saved)
+            if pairs and self.geometry.geodesic_step:
+                self.pairs.pullback_(step.xi, grad, step.saved)
         return grad
 
     def _exp_pullback_(self, step: Retraction, grad: Tensor) -> None:
@@ -508,9 +351,9 @@ class PerturbationSpace:
             normal_runs_(z, [(0, 0, self.numel)], self.numel, seed)
         else:
             normal_runs_(z, self.shards.runs(), self.shards.global_layout.numel, seed)
-        out = self.scale_(z)
-        if self._ball is not None:
-            self._ball.write_(out, self._ball.sample(generator))
+        out = self.elementwise.scale_(z)
+        if self.ball_pairs is not None:
+            self.ball_pairs.write_(out, self.ball_pairs.sample(generator))
         return self.proju_(out)
 
     def acceleration(self, xi: Tensor) -> Tensor:
@@ -537,7 +380,7 @@ class PerturbationSpace:
 
     def retr(self, xi: Tensor) -> Tensor:
         """The perturbed point ``gamma_xi(1)`` as a flat vector (differentiable in ``xi``)."""
-        theta = self.theta_flat()
+        theta = self.elementwise.theta_flat()
         exp = self.elementwise.exp
         out = exp_step(theta, xi) if exp else theta + xi
         if self.pairs is not None:

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..geometry.space import Geometry, PerturbationSpace, Retraction
+from .apgd_step import Box, L2Ball, StepKernel
 
 
 class PointOverwritten(RuntimeError):
@@ -126,133 +127,6 @@ class _Buffers:
                 self.free.append(t)
 
 
-class _L2Ball:
-    r"""The metric ball. One step needs two dot products with the gradient and no norm
-    of a new vector: with ``d`` the horizontal Riemannian gradient,
-
-    .. math:: \langle \xi, d \rangle_g = \langle \xi, \nabla L \rangle, \qquad
-              \|d\|_g^2 = \langle d, \nabla L \rangle
-
-    (``xi`` horizontal), and the norms of ``z = xi + c d`` and of the momentum point
-    ``alpha xi + beta d + gamma xi_prev`` follow from the Gram matrix of ``xi, d,
-    xi_prev``, whose other entries are carried from step to step as 0-d tensors. A step
-    reads the vectors twice, run by run (:meth:`PerturbationSpace.direction_`: the two dot
-    products and ``||d||^2``; :meth:`PerturbationSpace.combine_`: the new ``xi`` and, for a
-    straight element-wise step, its point ``theta + xi``), with no host synchronisation.
-    """
-
-    def __init__(self, space: PerturbationSpace, rho: float, held: bool = False):
-        self.space, self.rho, self.held = space, rho, held
-
-    def start(self, xi: Tensor | None) -> None:
-        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
-        if xi is not None:
-            self.xx = self.space.inner(xi, xi)
-        self.pp, self.xp = self.xx, self.xx  # xi_prev = xi
-
-    def project_(self, xi: Tensor) -> Tensor:
-        space = self.space
-        shrink = (self.rho / space.norm(xi).clamp_min(1e-30)).clamp(max=1.0)
-        return space.proju_(xi.mul_(shrink.to(xi.dtype)))
-
-    def step_(
-        self,
-        step: Retraction,
-        xi_prev: Tensor,
-        grad: Tensor,
-        eta: float,
-        a: float,
-        point: Tensor | None,
-    ) -> tuple[Tensor, bool]:
-        """Overwrite ``grad``, the Euclidean gradient at the point of ``step`` (the
-        retraction of ``xi = step.xi``), with the next iterate (see :func:`auto_pgd`);
-        where the space allows, write the element-wise entries of its point into
-        ``point`` in the same pass (returned: whether it did). ``held``: ``grad`` is
-        read only and the next iterate is written into ``point``, held as its point."""
-        space, rho, xi = self.space, self.rho, step.xi
-        same = xi_prev is xi
-        if self.held:
-            dd, dots = space.held_direction_(xi, grad, *(() if same else (xi_prev,)))
-            xd, pd = dots[0], dots[-1]
-        elif same:
-            dd, (xd,) = space.ascent_(step, grad, xi)
-            pd = xd
-        else:
-            dd, (xd, pd) = space.ascent_(step, grad, xi, xi_prev)
-        c = eta / dd.clamp_min(0).sqrt().clamp_min(1e-30)  # z = xi + c d, d unnormalised
-        zz = (self.xx + 2 * c * xd + c * c * dd).clamp_min(0)
-        s1 = (rho / zz.sqrt().clamp_min(1e-30)).clamp(max=1.0)
-        if a == 1.0:  # no momentum: the projected z
-            alpha, beta, gamma = s1, s1 * c, None
-            s2 = torch.ones_like(s1)
-            nn = s1 * s1 * zz
-        else:  # a P(z) + (1 - a)(2 xi - xi_prev), projected again
-            alpha, beta, gamma = a * s1 + 2 * (1 - a), a * s1 * c, -(1 - a)
-            nn = (
-                alpha * alpha * self.xx
-                + beta * beta * dd
-                + gamma * gamma * self.pp
-                + 2 * alpha * beta * xd
-                + 2 * alpha * gamma * self.xp
-                + 2 * beta * gamma * pd
-            ).clamp_min(0)
-            s2 = (rho / nn.sqrt().clamp_min(1e-30)).clamp(max=1.0)
-            nn = s2 * s2 * nn
-        new_x = s2 * (alpha * self.xx + beta * xd + (gamma * self.xp if gamma else 0.0))
-        kx, kd = (s2 * alpha).to(xi.dtype), (s2 * beta).to(xi.dtype)
-        kp = None if gamma is None or same else (s2 * gamma).to(xi.dtype)
-        if gamma is not None and same:  # xi_prev is xi: fold it in
-            kx = (s2 * (alpha + gamma)).to(xi.dtype)
-        xp = None if same else xi_prev
-        if self.held:
-            out, written = space.held_combine_(grad, kd, xi, kx, xp, kp, point), True
-        else:
-            written = point is not None and space.fused_step
-            out = space.combine_(grad, kd, xi, kx, xp, kp, point if written else None)
-        self.xx, self.pp, self.xp = nn, self.xx, new_x
-        return out, written
-
-    def restart(self, norm_sq: Tensor) -> None:
-        self.xx = self.pp = self.xp = norm_sq
-
-
-class _Box:
-    """The L-infinity box ``|xi_j| <= rho c_j`` (Andriushchenko et al. 2023)."""
-
-    def __init__(self, space: PerturbationSpace, rho: float, held: bool = False):
-        self.space, self.rho, self.held = space, rho, held
-
-    def start(self, xi: Tensor | None) -> None:
-        self.xx = torch.zeros((), dtype=torch.float64, device=self.space.device)
-
-    def project_(self, xi: Tensor) -> Tensor:
-        return self.space.clamp_box_(xi, self.rho)
-
-    def step_(
-        self,
-        step: Retraction,
-        xi_prev: Tensor,
-        grad: Tensor,
-        eta: float,
-        a: float,
-        point: Tensor | None,
-    ) -> tuple[Tensor, bool]:
-        if self.held:
-            xp = None if a == 1.0 else xi_prev
-            return self.space.held_box_(step.xi, grad, xp, point, eta, a, self.rho), True
-        xi = step.xi
-        self.space.pullback_(step, grad)
-        z = self.space.scale_(grad.sign_()).mul_(eta).add_(xi)
-        self.project_(z)
-        if a != 1.0:
-            z.mul_(a).add_(xi, alpha=2.0 * (1.0 - a)).sub_(xi_prev, alpha=1.0 - a)
-            self.project_(z)
-        return z, False
-
-    def restart(self, norm_sq: Tensor) -> None:
-        pass
-
-
 def gradient_dtype(
     geometry: Geometry,
     dtype: torch.dtype,
@@ -287,14 +161,14 @@ class Iterate:
     """What an :func:`auto_pgd` callback is shown: :attr:`xi`, the tangent (not to be
     written; a new vector while the loop holds the iterate as its point)."""
 
-    __slots__ = ("_buffer", "_space")
+    __slots__ = ("_buffer", "_kernel")
 
-    def __init__(self, buffer: Tensor, space: PerturbationSpace | None = None):
-        self._buffer, self._space = buffer, space  # space: the buffer holds the point
+    def __init__(self, buffer: Tensor, kernel: StepKernel | None = None):
+        self._buffer, self._kernel = buffer, kernel  # kernel: the buffer holds the point
 
     @property
     def xi(self) -> Tensor:
-        return self._buffer if self._space is None else self._space.tangent(self._buffer)
+        return self._buffer if self._kernel is None else self._kernel.tangent(self._buffer)
 
 
 def auto_pgd(
@@ -312,10 +186,11 @@ def auto_pgd(
 
     ``loss_grad(point, out)`` returns the loss at the parameter vector ``point`` and
     writes its Euclidean gradient into the buffer ``out`` (returning it); it may keep no
-    reference to either. The loop retracts (:meth:`PerturbationSpace.retr_`), pulls the
-    gradient back to the tangent and turns it into the ascent direction
-    (:meth:`PerturbationSpace.ascent_`) and steps.
-    Returns the best value (a 0-d tensor), the best ``xi`` and the :class:`APGDTrace`.
+    reference to either. Each iteration steps (:mod:`~geosharp.measures.apgd_step`: the
+    pullback, the ascent direction and the ball's projections, fused), retracts
+    (:meth:`PerturbationSpace.retr_`) and evaluates; the step size halves at the
+    :func:`checkpoints`. Returns the best value (a 0-d tensor), the best ``xi`` and the
+    :class:`APGDTrace`.
 
     Memory beyond the space and one training step (whose gradient buffer the point
     shares): three parameter-sized vectors, ``xi`` and its previous and best values;
@@ -329,9 +204,8 @@ def auto_pgd(
     that width (:func:`gradient_dtype`: bfloat16 for float16, of float32's range), in
     a buffer of its own, and the iterate in the buffer of its point ``theta + xi``,
     where the forward reads it and the step reads it back (``xi`` to the point's
-    round-off): the same three vectors beside a gradient of that width (the point and
-    the gradient otherwise share a vector of the space's width). The gradient only steers the
-    search; every value is the loss at a point of the ball.
+    round-off): the same three vectors beside a gradient of that width. The gradient
+    only steers the search; every value is the loss at a point of the ball.
 
     ``callback(event, i, iterate)``, if given, is called with ``"start"`` and ``"end"``
     (the start and the best point), ``"evaluate"`` before and ``"evaluated"`` after each
@@ -343,141 +217,191 @@ def auto_pgd(
     is kept with ``torch.where``); on the CPU, where nothing is asynchronous, it reads
     the comparison and copies only on improvement.
     """
-    box = space.geometry.p == float("inf")
-    width = gradient_dtype(space.geometry, space.dtype, grad_dtype, keep_best_gradient)
-    held = width != space.dtype
-    ball = _Box(space, rho, held) if box else _L2Ball(space, rho, held)
-    notify = (
-        (lambda event, i, x, point=False: callback(event, i, Iterate(x, space if point else None)))
-        if callback is not None
-        else (lambda event, i, x, point=False: None)
-    )
-    buffers = _Buffers(space)
-    shared = True  # the gradient is written over the point (one buffer for both)
-    # held: the gradient's own buffer, in its dtype; the current iterate holds its point
-    gradient = torch.empty(space.numel, dtype=width, device=space.device) if held else None
+    search = _Search(loss_grad, space, rho, callback, keep_best_gradient, grad_dtype)
+    search.start(xi0)
+    schedule = _StepSize(rho, n_iters, search.best_value)
+    for i in range(n_iters):
+        schedule.count(search.iterate(i, momentum if i > 0 else 1.0, schedule.eta))
+        reduced = schedule.reduce(i + 1, search.best_value, search.improved)
+        if reduced is not None:
+            search.restart(i + 1, at_best=reduced == "at best")
+        search.trace.step_sizes.append(schedule.eta)
+    return search.finish(n_iters)
 
-    def evaluate(
-        x: Tensor, i: int, point: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Retraction]:
+
+class _StepSize:
+    """Auto-PGD's step size ``eta``: ``2 rho``, halved at a checkpoint when fewer than
+    75% of the steps since the last one increased the objective, or when it was not
+    halved at the last one and the best value has not changed since."""
+
+    def __init__(self, rho: float, n_iters: int, best_value: Tensor):
+        self.eta, self.marks = 2.0 * rho, set(checkpoints(n_iters))
+        self.last_mark, self.reduced_last, self.best_at_mark = 0, True, best_value
+        self.increases = torch.zeros((), device=best_value.device)
+
+    def count(self, increased: Tensor) -> None:
+        self.increases = self.increases + increased
+
+    def reduce(self, done: int, best_value: Tensor, improved: Tensor) -> str | None:
+        """At a checkpoint (the loop's one read from the device): whether to halve and
+        restart, as ``"at best"`` (the current point is the best) or ``"back"``."""
+        if done not in self.marks:
+            return None
+        flags = torch.stack([self.increases, self.best_at_mark == best_value, improved])
+        n_up, same_best, at_best = flags.double().tolist()
+        too_few = n_up < 0.75 * (done - self.last_mark)
+        stalled = (not self.reduced_last) and bool(same_best)
+        self.reduced_last = too_few or stalled
+        self.best_at_mark, self.last_mark = best_value, done
+        self.increases = torch.zeros((), device=best_value.device)
+        if not self.reduced_last:
+            return None
+        self.eta /= 2.0
+        return "at best" if at_best else "back"
+
+
+class _Search:
+    """The iterates of one :func:`auto_pgd` run and the buffers they live in: the
+    current ``xi`` and its point (or the point alone, ``held``), ``xi_prev``, the best
+    point, and the gradient (written over the point unless ``held`` or
+    :class:`PointOverwritten`)."""
+
+    def __init__(self, loss_grad, space, rho, callback, keep_best_gradient, grad_dtype):
+        self.loss_grad, self.space, self.callback = loss_grad, space, callback
+        self.keep_gradient = keep_best_gradient
+        self.kernel = StepKernel(space)
+        width = gradient_dtype(space.geometry, space.dtype, grad_dtype, keep_best_gradient)
+        self.held = width != space.dtype
+        box = space.geometry.p == float("inf")
+        self.ball = (Box if box else L2Ball)(self.kernel, rho, self.held)
+        self.buffers, self.shared = _Buffers(space), True
+        # held: the gradient's own buffer, in its dtype; the current iterate holds its point
+        self.gradient = None
+        if self.held:
+            self.gradient = torch.empty(space.numel, dtype=width, device=space.device)
+        self.revisit = False  # xi was set back to the best point, whose gradient is not kept
+        self.trace = APGDTrace()
+
+    def notify(self, event: str, i: int, x: Tensor, point: bool = False) -> None:
+        if self.callback is not None:
+            self.callback(event, i, Iterate(x, self.kernel if point else None))
+
+    def evaluate(self, x: Tensor, i: int, point: Tensor | None = None):
         """The loss and Euclidean gradient at ``x``'s point, and its retraction (for the
-        pullback, done with the step: :meth:`PerturbationSpace.ascent_`);
-        ``point``: a buffer whose element-wise entries of the point the step wrote
-        already."""
-        nonlocal shared
-        if held:  # ``point``: x holds its point already
+        pullback, done with the step); ``point``: a buffer whose element-wise entries of
+        the point the step wrote already (held: ``x`` holds its point already)."""
+        if self.held:
             if point is None:
-                space.hold_(x)
-            notify("evaluate", i, x, True)
-            value, grad = loss_grad(x, gradient)
-            notify("evaluated", i, x, True)
+                self.kernel.hold_(x)
+            self.notify("evaluate", i, x, True)
+            value, grad = self.loss_grad(x, self.gradient)
+            self.notify("evaluated", i, x, True)
             return value, grad, Retraction(x, [])  # x holds its point
-        written = point is not None
+        buffers, written = self.buffers, point is not None
         point = buffers.take() if point is None else point
-        step = space.retr_(x, point, written=written)
-        notify("evaluate", i, x)
+        step = self.space.retr_(x, point, written=written)
+        self.notify("evaluate", i, x)
         try:
-            value, grad = loss_grad(point, point if shared else buffers.take())
+            value, grad = self.loss_grad(point, point if self.shared else buffers.take())
         except PointOverwritten:  # backward read the point after replacing it
-            shared = False
-            step = space.retr_(x, point)
-            value, grad = loss_grad(point, buffers.take())
+            self.shared = False
+            step = self.space.retr_(x, point)
+            value, grad = self.loss_grad(point, buffers.take())
             buffers.give(point)
-        notify("evaluated", i, x)
+        self.notify("evaluated", i, x)
         return value, grad, step
 
-    xi = space.empty().zero_() if xi0 is None else ball.project_(xi0.clone())
-    ball.start(None if xi0 is None else xi)
-    notify("start", 0, xi)
-    value, grad, step = evaluate(xi, 0)
-    on_host = xi.device.type in _HOST_DEVICES
-    # on the host the best point is the iterate itself where it is the best (no copy):
-    # its buffer is kept, not recycled, until a better one replaces it
-    best_value, best_xi = value, xi if on_host else xi.clone()
-    best_grad = grad.clone() if keep_best_gradient else None
-    improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current point is best
-    best_sq = ball.xx
-    xi_prev = xi
-    eta = 2.0 * rho
-    marks = set(checkpoints(n_iters))
-    last_mark, increases = 0, torch.zeros((), device=xi.device)
-    reduced_last, best_at_mark = True, best_value
-    values, bests, etas, restarts = [value], [best_value], [eta], []
+    def start(self, xi0: Tensor | None) -> None:
+        space = self.space
+        xi = space.empty().zero_() if xi0 is None else self.ball.project_(xi0.clone())
+        self.ball.start(None if xi0 is None else xi)
+        self.notify("start", 0, xi)
+        self.value, self.grad, self.step = self.evaluate(xi, 0)
+        self.on_host = xi.device.type in _HOST_DEVICES
+        # on the host the best point is the iterate itself where it is the best (no copy):
+        # its buffer is kept, not recycled, until a better one replaces it
+        self.best_value, self.best_xi = self.value, xi if self.on_host else xi.clone()
+        self.best_grad = self.grad.clone() if self.keep_gradient else None
+        self.improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current is best
+        self.best_sq, self.xi, self.xi_prev = self.ball.xx, xi, xi
+        self.trace.losses, self.trace.best = [self.value], [self.best_value]
+        self.trace.step_sizes.append(2.0 * self.ball.rho)
 
-    revisit = False  # xi was set back to the best point, whose gradient is not kept
-    for i in range(n_iters):
-        if revisit:  # this iteration evaluates the best point again, without a step
-            revisit = False  # held on a GPU: xi holds the best point's point already
-            new_value, grad, step = evaluate(xi, i + 1, xi if held and not on_host else None)
+    def iterate(self, i: int, a: float, eta: float) -> Tensor:
+        """Step with momentum ``a`` and size ``eta`` and evaluate (or evaluate the best
+        point again, after a restart away from it); keep the best. Returns whether the
+        value rose."""
+        if self.revisit:  # held on a GPU: xi holds the best point's point already
+            self.revisit = False
+            again = self.xi if self.held and not self.on_host else None
+            new_value, self.grad, self.step = self.evaluate(self.xi, i + 1, again)
         else:
-            # z = P(xi + eta d); xi_new = P(xi + a (z - xi) + (1 - a)(xi - xi_prev)),
-            # a = 1 first
-            a = momentum if i > 0 else 1.0
-            # the point's buffer: xi_prev's where nothing else holds it (read before written)
-            free_prev = xi_prev is not xi and xi_prev is not best_xi
-            point = xi_prev if free_prev else buffers.take()
-            new_xi, written = ball.step_(step, xi_prev, grad, eta, a, point)
-            step = None  # its h x h matrices, kept, would pin the C heap under later blocks
-            if not written:
-                buffers.give(point)
-            xi_prev, xi = xi, new_xi
-            notify("step", i + 1, xi, held)
-            new_value, grad, step = evaluate(xi, i + 1, point if written else None)
-        increases = increases + (new_value > value)
-        value = new_value
-        improved = value > best_value
-        best_value = torch.where(improved, value, best_value)
-        best_sq = torch.where(improved, ball.xx, best_sq)
-        if on_host:
+            point = self.take_step(i, a, eta)
+            new_value, self.grad, self.step = self.evaluate(self.xi, i + 1, point)
+        increased, self.value = new_value > self.value, new_value
+        self.keep_best()
+        return increased
+
+    def take_step(self, i: int, a: float, eta: float) -> Tensor | None:
+        """``z = P(xi + eta d)``, ``xi <- P(xi + a (z - xi) + (1 - a)(xi - xi_prev))``;
+        the point's buffer: ``xi_prev``'s where nothing else holds it (read before
+        written). Returns it where the step wrote the point's entries, else ``None``."""
+        xi, xi_prev = self.xi, self.xi_prev
+        free_prev = xi_prev is not xi and xi_prev is not self.best_xi
+        point = xi_prev if free_prev else self.buffers.take()
+        new_xi, written = self.ball.step_(self.step, xi_prev, self.grad, eta, a, point)
+        self.step = None  # its h x h matrices, kept, would pin the C heap under later blocks
+        if not written:
+            self.buffers.give(point)
+        self.xi_prev, self.xi = xi, new_xi
+        self.notify("step", i + 1, new_xi, self.held)
+        return point if written else None
+
+    def keep_best(self) -> None:
+        value, xi = self.value, self.xi
+        self.improved = improved = value > self.best_value
+        self.best_value = torch.where(improved, value, self.best_value)
+        self.best_sq = torch.where(improved, self.ball.xx, self.best_sq)
+        if self.on_host:
             if bool(improved):
-                if best_xi is not xi_prev:  # held for itself alone: free
-                    buffers.give(best_xi)
-                best_xi = xi
-                if best_grad is not None:  # the step writes over the gradient: a copy
-                    best_grad.copy_(grad)
+                if self.best_xi is not self.xi_prev:  # held for itself alone: free
+                    self.buffers.give(self.best_xi)
+                self.best_xi = xi
+                if self.best_grad is not None:  # the step writes over the gradient: a copy
+                    self.best_grad.copy_(self.grad)
         else:
-            torch.where(improved, xi, best_xi, out=best_xi)
-            if best_grad is not None:
-                torch.where(improved, grad, best_grad, out=best_grad)
-        values.append(value)
-        bests.append(best_value)
+            torch.where(improved, xi, self.best_xi, out=self.best_xi)
+            if self.best_grad is not None:
+                torch.where(improved, self.grad, self.best_grad, out=self.best_grad)
+        self.trace.losses.append(value)
+        self.trace.best.append(self.best_value)
 
-        done = i + 1
-        if done in marks:  # the one read from the device per checkpoint
-            flags = torch.stack([increases, best_at_mark == best_value, improved])
-            n_up, same_best, at_best = flags.double().tolist()
-            too_few = n_up < 0.75 * (done - last_mark)
-            stalled = (not reduced_last) and bool(same_best)
-            reduced_last = too_few or stalled
-            if reduced_last:  # halve the step and go back to the best point
-                eta /= 2.0
-                if xi_prev is not xi and xi_prev is not best_xi:
-                    buffers.give(xi_prev)
-                xi_prev = xi
-                if not at_best:
-                    xi.copy_(best_xi)
-                    if best_grad is not None:
-                        grad.copy_(best_grad)  # its retraction's matrices made again
-                        value, step = best_value, space.retraction(xi)
-                    else:  # the next iteration evaluates it: its value rose from xi's
-                        if not held:
-                            buffers.give(grad)
-                        grad = step = None
-                        revisit = True
-                ball.restart(best_sq)
-                restarts.append(done)
-            best_at_mark, last_mark = best_value, done
-            increases = torch.zeros((), device=xi.device)
-        etas.append(eta)
+    def restart(self, done: int, at_best: bool) -> None:
+        """Go back to the best point (with its kept gradient, or to evaluate it again in
+        the next iteration, its value rising from the current point's)."""
+        xi = self.xi
+        if self.xi_prev is not xi and self.xi_prev is not self.best_xi:
+            self.buffers.give(self.xi_prev)
+        self.xi_prev = xi
+        if not at_best:
+            xi.copy_(self.best_xi)
+            if self.best_grad is not None:
+                self.grad.copy_(self.best_grad)  # its retraction's matrices made again
+                self.value, self.step = self.best_value, self.kernel.retraction(xi)
+            else:
+                if not self.held:
+                    self.buffers.give(self.grad)
+                self.grad = self.step = None
+                self.revisit = True
+        self.ball.restart(self.best_sq)
+        self.trace.restarts.append(done)
 
-    if held and (best_xi is xi or not on_host):  # it holds its point
-        space.hold_(best_xi, point=False)
-    if callback is not None:
-        callback("end", n_iters, Iterate(best_xi))
-    trace = APGDTrace(
-        losses=torch.stack(values).tolist(),
-        best=torch.stack(bests).tolist(),
-        step_sizes=etas,
-        restarts=restarts,
-    )
-    return best_value, best_xi, trace
+    def finish(self, n_iters: int) -> tuple[Tensor, Tensor, APGDTrace]:
+        best_xi = self.best_xi
+        if self.held and (best_xi is self.xi or not self.on_host):  # it holds its point
+            self.kernel.hold_(best_xi, point=False)
+        self.notify("end", n_iters, best_xi)
+        trace = self.trace
+        trace.losses = torch.stack(trace.losses).tolist()
+        trace.best = torch.stack(trace.best).tolist()
+        return self.best_value, best_xi, trace

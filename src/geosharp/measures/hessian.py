@@ -186,9 +186,9 @@ def hessian_trace(
                     raise ValueError("the loss does not depend on the parameters to measure")
                 grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
                 # the Christoffel term <grad f, a(z)>; a = 0 on a straight step
-                flat_grad = (
-                    None if space.straight else torch.cat([g.detach().reshape(-1) for g in grads])
-                )
+                flat_grad = None
+                if not space.geometry.straight:
+                    flat_grad = torch.cat([g.detach().reshape(-1) for g in grads])
                 curved = [(n, g, p) for (n, p), g in zip(params.items(), grads) if g.requires_grad]
                 for start in range(0, n_probes, probe_batch):
                     ks = range(start, min(n_probes, start + probe_batch))
