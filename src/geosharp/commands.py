@@ -45,6 +45,15 @@ DEFAULT_MEASURES = "adaptive,geodesic-inv,geodesic-mix"
 
 
 def add_measure_arguments(p: argparse.ArgumentParser) -> None:
+    """The measure command's arguments: what is measured, how, what is written, and how
+    the model runs."""
+    _add_inputs(p)
+    _add_estimates(p)
+    _add_outputs(p)
+    _add_running(p)
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint directory (save_pretrained layout) or 'minilm'")
     p.add_argument(
         "--data",
@@ -65,6 +74,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-column", default="label", help="label column (default: label)")
     p.add_argument("--split", default="train", help="split of a datasets directory (train)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's own)")
+
+
+def _add_estimates(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--measures",
         default=DEFAULT_MEASURES,
@@ -90,6 +102,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         help="Hutchinson probes of the hessian-trace-* measures (100)",
     )
     p.add_argument("--max-length", type=positive_int, default=64, help="token limit (64)")
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
     add_seed(p, "new classifier head, random starts and data subset")
     add_device(p)
     add_autocast(p)
@@ -125,6 +140,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
         help="continue the --json file of a run that was stopped: the measures it holds "
         "are kept, the rest measured (its settings must be these)",
     )
+
+
+def _add_running(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fsdp",
         action="store_true",

@@ -53,11 +53,30 @@ def run_demo(
     epochs: int = 40,
     print_fn=print,
 ) -> int:
+    """The steps of the module's docstring, each printed; ``json_path``: the figures."""
     # before anything slow
     require_all(
         ("transformers", "sklearn"), "the demo (a Hugging Face ViT on scikit-learn's digits)"
     )
     start = time.perf_counter()
+    model, train, figures = _train(seed, epochs, start, print_fn)
+    probe = train.images[:64]
+    figures["symmetry_check"] = _discover(model, probe, print_fn)
+    twin, figures["output_change"] = _reparameterized(model, probe, cond, seed, print_fn)
+    batches = list(image_batches(train.images[:1024], train.labels[:1024], 256))
+    rows = [_measure_both(model, twin, batches, label, name, n_iters, seed)
+            for label, name in DEMO_MEASURES]  # fmt: skip
+    _print_table(rows, print_fn)
+    coverage = _coverage(print_fn)
+    print_fn(f"total time {time.perf_counter() - start:.1f}s")
+    if json_path:
+        payload = dict(seed=seed, n_iters=n_iters, cond=cond, **figures)
+        write_json_atomic(json_path, dict(payload, measures=rows, coverage=coverage))
+    return 0
+
+
+def _train(seed: int, epochs: int, start: float, print_fn):
+    """The tiny ViT trained on the digits' training split; its accuracies and losses."""
     data = load_digits()
     train, test = data.split(1500, seed=seed)
     print_fn(
@@ -74,8 +93,16 @@ def run_demo(
         f"trained in {time.perf_counter() - start:.1f}s: train accuracy {train_acc:.3f}, "
         f"test accuracy {test_acc:.3f}"
     )
+    figures = dict(
+        train_accuracy=train_acc, test_accuracy=test_acc, train_loss=train_loss,
+        test_loss=test_loss,
+    )  # fmt: skip
+    return model, train, figures
 
-    probe = train.images[:64]
+
+def _discover(model, probe, print_fn) -> float:
+    """The pairs found from what the model computes, verified; the check's largest
+    relative change."""
     symmetries = find_symmetries(model, probe)
     n_pairs = sum(p.shape[0] for p in symmetries.pairs)
     worst = max(v.change for v in symmetries.verified.values())
@@ -84,7 +111,12 @@ def run_demo(
         f"found {n_pairs} GL(8) pairs in {len(symmetries.attention)} attention modules from what "
         f"the model computes, each verified (largest output change {worst:.0e}); {check}"
     )
+    return check.max_rel_change
 
+
+def _reparameterized(model, probe, cond: float, seed: int, print_fn):
+    """A copy moved by random symmetries of condition number ``cond``, and how much its
+    logits changed."""
     twin = copy.deepcopy(model)
     reparameterize(twin, find_symmetries(twin), cond=cond, seed=seed + 1)
     with torch.no_grad():
@@ -99,34 +131,27 @@ def run_demo(
         f"re-parameterised by random symmetries (condition number {cond:g}): weights "
         f"changed by up to {weight_change:.0%}, logits by {output_change:.1e}"
     )
+    return twin, output_change
 
-    batches = list(image_batches(train.images[:1024], train.labels[:1024], 256))
-    rows = []
-    for label, name in DEMO_MEASURES:
-        values, rho = [], DEFAULT_RHO[name]
-        for net in (model, twin):
-            result = sharpness(
-                net,
-                batches,
-                image_loss,
-                measure=name,
-                rho=rho,
-                estimator=WorstCase(n_iters=n_iters),
-                seed=seed,
-                progress=True,
-            )
-            values.append(result.value)
-        change = abs(values[1] - values[0]) / max(abs(values[0]), 1e-12)
-        rows.append(
-            dict(
-                measure=label,
-                rho=rho,
-                original=values[0],
-                reparameterised=values[1],
-                relative_change=change,
-            )
-        )
 
+def _measure_both(model, twin, batches, label: str, name: str, n_iters: int, seed: int):
+    """One measure of the model and of its re-parameterised copy, at its default rho."""
+    rho = DEFAULT_RHO[name]
+    values = [
+        sharpness(
+            net, batches, image_loss, measure=name, rho=rho,
+            estimator=WorstCase(n_iters=n_iters), seed=seed, progress=True,
+        ).value
+        for net in (model, twin)
+    ]  # fmt: skip
+    change = abs(values[1] - values[0]) / max(abs(values[0]), 1e-12)
+    return dict(
+        measure=label, rho=rho, original=values[0], reparameterised=values[1],
+        relative_change=change,
+    )  # fmt: skip
+
+
+def _print_table(rows: list[dict], print_fn) -> None:
     print_fn("")
     print_fn(
         f"{'measure':<14} {'rho':>6} {'original':>10} {'re-param.':>10} {'change':>9}  invariant?"
@@ -144,25 +169,6 @@ def run_demo(
         "Sharpness values of different\ngeometries are not comparable at one rho "
         "(see docs/rho.md)."
     )
-    coverage = _coverage(print_fn)
-    print_fn(f"total time {time.perf_counter() - start:.1f}s")
-
-    if json_path:
-        payload = dict(
-            seed=seed,
-            n_iters=n_iters,
-            cond=cond,
-            train_accuracy=train_acc,
-            test_accuracy=test_acc,
-            train_loss=train_loss,
-            test_loss=test_loss,
-            symmetry_check=check.max_rel_change,
-            output_change=output_change,
-            measures=rows,
-            coverage=coverage,
-        )
-        write_json_atomic(json_path, payload)
-    return 0
 
 
 # Other architectures for the coverage lines: (label, config class, model class, config).
