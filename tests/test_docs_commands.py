@@ -15,7 +15,11 @@ import torch
 from geosharp.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "studies" / "docs").glob("*.md")),
+]
 
 
 def _commands(path: Path) -> list[list[str]]:
@@ -39,7 +43,7 @@ CASES = [(p.relative_to(ROOT).as_posix(), argv) for p in DOCS for argv in _comma
 
 
 def test_the_docs_have_commands():
-    assert len(CASES) > 30 and {c[0] for c in CASES} >= {"README.md", "docs/zoo.md"}
+    assert len(CASES) > 30 and {c[0] for c in CASES} >= {"README.md", "studies/docs/zoo.md"}
 
 
 @pytest.mark.parametrize("where, argv", CASES, ids=[f"{w}:{' '.join(a)[:60]}" for w, a in CASES])
@@ -97,7 +101,8 @@ def test_readme_measure_examples_run(bert_dir, vit_dir, text_csv, tmp_path, caps
 
 
 def test_every_relative_link_of_the_docs_resolves():
-    """The README and docs/*.md link each other (and the results): no link is dead."""
+    """The README, docs/*.md and the studies' docs link each other (and the results):
+    no link is dead."""
     dead = [
         (path.relative_to(ROOT).as_posix(), target)
         for path in [*DOCS, ROOT / "studies" / "README.md"]

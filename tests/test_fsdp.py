@@ -312,59 +312,29 @@ def test_the_docs_show_the_committed_benchmark_and_projection():
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x a forward+backward" in readme
 
 
-def test_the_docs_show_the_committed_peak_profile():
-    """docs/performance.md's account of the sharded measure's peak is the committed
+def test_the_history_shows_the_committed_peak_profile():
+    """benchmarks/HISTORY.md's account of the sharded measure's peak is the committed
     ``benchmarks/fsdp_peak.py`` output: without FSDP's gathers of fully perturbed
-    layers, against FSDP gathering every layer; and, before FSDP's forward gathers were
-    stopped, with and without its gathers for backward."""
+    layers, against FSDP gathering every layer; no positions or copies of the pair
+    blocks held at the peak, under either plan."""
     root = Path(__file__).resolve().parent.parent
     results = root / "docs/results/fsdp"
-    docs = " ".join((root / "docs/performance.md").read_text().split())
+    docs = " ".join((root / "benchmarks/HISTORY.md").read_text().split())
     runs = json.loads((results / "fsdp_peak.json").read_text())["runs"]
     now, every = runs["measure"], runs["measure, FSDP gathers every layer"]
     assert f"({now['peak']:.2f} of a shard against {every['peak']:.2f} with FSDP" in docs
     assert now["at"].startswith("backward") and not any(
         site.startswith("FSDP") for site, _ in now["alive"]
     )
-    runs = json.loads((results / "fsdp_peak_before_forward.json").read_text())["runs"]
-    now, before = runs["measure"], runs["measure, FSDP gathers for backward"]
-    assert f"({now['peak']:.2f} of a shard against {before['peak']:.2f} with FSDP's" in docs
-    assert now["at"] != before["at"] and before["at"].startswith("backward")
-    alive = dict(now["alive"])
-    # FSDP's gather of the layer: its all-gather buffer and the unsharded weights, as large
-    layer = 2 * alive["FSDP: allocate"]
-    assert f"FSDP2 has no public switch for it: {layer:.2f})" in docs
-    assert f"own gather of one weight ({alive['measures/fsdp.py(387): gather']:.2f})" in docs
-    six_before, six = (
-        json.loads((root / f"docs/results/fsdp/fsdp_peak_h6_geodesic{x}.json").read_text())["runs"][
-            "measure"
-        ]
-        for x in ("_before_views", "")
-    )
-    held = dict(six_before["alive"])
-    assert (
-        f"the int64 positions of its pair blocks ({held['geometry/sharded.py(391): localize']:.2f} "
-        f"of a shard, made at set-up), a copy of the base point's blocks "
-        f"({held['geometry/sharded.py(242): gather_params']:.2f})" in docs
-    )
-    assert "geometry/sharded.py(391): localize" not in dict(six["alive"])  # no positions held
-    assert f"the peak {six_before['peak']:.2f} to {six['peak']:.2f} of a shard" in docs
-    # FSDP2's default plan, cutting heads: the positions of the cut rows, then the copy of
-    # the blocks of the stacks that have some
-    runs, reader, now = (
-        json.loads((results / f"fsdp_peak_h6_geodesic_default{x}.json").read_text())["runs"][
-            "measure"
-        ]
-        for x in ("_before_runs", "_before_reader", "")
-    )
-    held = dict(runs["alive"])
-    positions = sum(held[f"geometry/sharded.py({x}"] for x in ("437): _split", "412): <genexpr>"))
-    assert f"{positions:.2f} of a shard at the peak" in docs
-    copy = dict(reader["alive"])["geometry/sharded.py(250): gather_params"]
-    assert f"({copy:.2f} of a shard under the default plan" in docs
-    assert f"the peak {runs['peak']:.2f} to {reader['peak']:.2f} of a shard" in docs
-    assert f"the peak {reader['peak']:.2f} to {now['peak']:.2f} of a shard" in docs
-    assert not any("gather_params" in site or "_split" in site for site, _ in now["alive"])
+    # no int64 positions of the pair blocks held (whole rows), no copy of the blocks of
+    # the stacks whose rows are cut (FSDP2's default plan)
+    for name, held in (
+        ("fsdp_peak_h6_geodesic", ("geometry/sharded.py(391): localize",)),
+        ("fsdp_peak_h6_geodesic_default", ("gather_params", "_split")),
+    ):
+        run = json.loads((results / f"{name}.json").read_text())["runs"]["measure"]
+        assert not any(any(h in site for h in held) for site, _ in run["alive"])
+        assert f"to {run['peak']:.2f} of a shard" in docs
 
 
 def test_the_docs_show_the_committed_cut_heads_benchmark():
@@ -396,10 +366,10 @@ def test_geodesic_sam_on_a_sharded_model_takes_the_one_process_steps(runs, nproc
         assert worst <= 1e-10, (measure, worst)
 
 
-def test_the_docs_show_the_committed_memory_trace():
-    """docs/performance.md's account of the 2-process count is that of the committed
+def test_the_history_shows_the_committed_memory_trace():
+    """benchmarks/HISTORY.md's account of the 2-process count is that of the committed
     traces (``benchmarks/fsdp_memory_trace.py`` at 11 and 22 layers)."""
-    docs = " ".join((ROOT / "docs/performance.md").read_text().split())
+    docs = " ".join((ROOT / "benchmarks/HISTORY.md").read_text().split())
     traces = ROOT / "docs/results/llama_bf16/trace"
     found = {}
     for layers in (11, 22):
@@ -444,7 +414,8 @@ def test_the_docs_show_the_committed_memory_trace():
 def test_the_docs_show_the_committed_bfloat16_benchmark():
     """docs/performance.md's tables of the 1.1B bfloat16 LLaMA are
     ``benchmarks/bench_llama_bf16.py --report`` of the committed output, and its GPU
-    table ``benchmarks/bench_llama_gpu.py --report``'s."""
+    table ``benchmarks/bench_llama_gpu.py --report``'s; benchmarks/HISTORY.md's account
+    of the runs is theirs."""
     root = Path(__file__).resolve().parent.parent
     bench = _benchmark("bench_llama_bf16")
     results = root / "docs/results/llama_bf16"
@@ -468,7 +439,7 @@ def test_the_docs_show_the_committed_bfloat16_benchmark():
     )
     assert {x["restart"] for r in (*runs, mmap, sharded, by_rows) for x in r} == {"revisit"}
     assert {x["restart"] for x in kept} == {"kept gradient"}
-    docs = " ".join((root / "docs/performance.md").read_text().split())
+    docs = " ".join((root / "benchmarks/HISTORY.md").read_text().split())
 
     def each(mode: int) -> str:
         values = [f"{run[mode]['buffers_beyond_step']:.2f}" for run in runs]

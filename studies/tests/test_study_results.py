@@ -14,7 +14,7 @@ from geosharp_studies.stats import kendall_tau
 from geosharp_studies.zoo import get_preset
 from geosharp_studies.zoo.report import endpoint_study, rows_from_table
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "study"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "study"
 
 
 def tau_b(a, b) -> float:
@@ -68,7 +68,7 @@ def test_endpoints_recomputed_from_models_csv(folder):
 
 
 def test_vision_finetune_geodesic_correction_claims():
-    """docs/zoo.md on the secondary pass: the straight line in the geodesic measure's
+    """studies/docs/zoo.md on the secondary pass: the straight line in the geodesic measure's
     ball gives the same values for ``inv`` on every model, and for ``mix`` on all but the
     strongest-regularised fine-tunes, where the geodesic correction raises sharpness."""
     rows = rows_from_table((RESULTS / "vision-finetune" / "models.csv").read_text())
@@ -103,7 +103,7 @@ def test_summary_calibrates_to_the_presets_target(folder):
 
 
 def test_seed_population_tau_changes_sign_along_the_grid():
-    """docs/zoo.md on the seed population: at the smallest radius of every grid (linear
+    """studies/docs/zoo.md on the seed population: at the smallest radius of every grid (linear
     regime) sharpness follows the training loss and correlates negatively with the gap;
     at the largest it follows the test error instead and correlates positively."""
     rows = rows_from_table((RESULTS / "seeds" / "models.csv").read_text())
@@ -119,7 +119,7 @@ def test_seed_population_tau_changes_sign_along_the_grid():
 
 
 def test_seed_population_batches_rank_the_models_in_opposite_orders():
-    """docs/zoo.md: at the calibrated radii the two measurement batches' values are
+    """studies/docs/zoo.md: at the calibrated radii the two measurement batches' values are
     negatively rank-correlated, and each alone correlates with the gap more weakly than
     their mean."""
     stored = json.loads((RESULTS / "seeds" / "endpoints.json").read_text())
@@ -164,7 +164,7 @@ def test_no_paired_difference_excludes_zero(folder):
 
 
 def test_seed_population_batch_losses_rank_the_models_alike():
-    """docs/zoo.md: the two batches' unperturbed losses rank the seeds alike, and at the
+    """studies/docs/zoo.md: the two batches' unperturbed losses rank the seeds alike, and at the
     smallest radii the halves' sharpness is unrelated, each following its own loss."""
     records = [
         json.loads(p.read_text())
@@ -182,7 +182,7 @@ def test_seed_population_batch_losses_rank_the_models_alike():
 
 
 def test_seed_population_secondary_pass_claims():
-    """docs/zoo.md on the seed population's secondary pass: no curvature term, attention
+    """studies/docs/zoo.md on the seed population's secondary pass: no curvature term, attention
     carries the geodesic worst case, and every worst-case measure's tau follows its
     median loss increase."""
     stored = json.loads((RESULTS / "seeds" / "endpoints.json").read_text())
@@ -238,7 +238,7 @@ def test_seed_population_secondary_pass_claims():
     ],
 )
 def test_tau_follows_the_reach_of_the_ball(folder, n_columns, lowest, highest, reach, ci):
-    """README and docs/zoo.md: over every worst-case column of a population, tau with the
+    """README and studies/docs/zoo.md: over every worst-case column of a population, tau with the
     gap rises with the column's median loss increase."""
     stored = json.loads((RESULTS / folder / "endpoints.json").read_text())
     points = stored["reach"]["points"]
@@ -250,7 +250,7 @@ def test_tau_follows_the_reach_of_the_ball(folder, n_columns, lowest, highest, r
 
 
 def test_hparams_population_claims():
-    """README and docs/zoo.md on the star design: the inclusion rule removes the slow
+    """README and studies/docs/zoo.md on the star design: the inclusion rule removes the slow
     recipes (every model of the two bases at lr 2e-5 for 3 epochs, 17 of the 20 at
     lr 2e-5), so the kept models mostly share one learning rate; the gap among them
     follows the training error; the granulated tau rests on 2-4 one-axis pairs per
@@ -327,8 +327,8 @@ def test_hparams_population_claims():
 
 
 def test_pooled_estimate_is_recomputed_and_quoted():
-    """docs/studies.md: the exploratory pooled |tau| difference over the three
-    populations (stratified bootstrap) is what docs/results/study/pooled.py computes
+    """studies/docs/studies.md: the exploratory pooled |tau| difference over the three
+    populations (stratified bootstrap) is what studies/results/study/pooled.py computes
     from the stored rows, and the docs quote it."""
     import importlib.util
 
@@ -338,7 +338,7 @@ def test_pooled_estimate_is_recomputed_and_quoted():
     stored = json.loads((RESULTS / "pooled.json").read_text())
     fresh = json.loads(json.dumps(module.pooled()))
     assert fresh == stored
-    docs = (RESULTS.parent.parent / "studies.md").read_text().replace("\u2212", "-")
+    docs = (RESULTS.parent.parent / "docs" / "studies.md").read_text().replace("\u2212", "-")
     for measure, short in (("geodesic-inv", "inv"), ("geodesic-mix", "mix")):
         r = stored[measure]
         quoted = f"`{short}` {r['estimate']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"

@@ -1,5 +1,5 @@
-"""The numbers the docs give about the committed zoos (docs/zoo.md, "What these zoos
-can and cannot show"), recomputed from docs/results/zoo/*/models.csv."""
+"""The numbers the docs give about the committed zoos (studies/docs/zoo.md, "What these zoos
+can and cannot show"), recomputed from studies/results/zoo/*/models.csv."""
 
 import csv
 import itertools
@@ -11,7 +11,7 @@ import pytest
 from geosharp.measures import DEFAULT_RHO
 from geosharp_studies.stats import kendall_tau, partial_tau, tau_difference
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "zoo"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "zoo"
 MAIN = ("adaptive", "geodesic-inv", "geodesic-mix")
 
 

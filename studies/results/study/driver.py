@@ -1,9 +1,9 @@
 """How the text populations' records in ``<preset>/run/`` were produced (not part of
 the package). Run from the repository root under ``torchrun`` (one thread per rank):
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py seeds
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py seeds --phase2
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/results/study/driver.py hparams
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 studies/results/study/driver.py seeds
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 studies/results/study/driver.py seeds --phase2
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 studies/results/study/driver.py hparams
 
 It does what ``geosharp zoo all --zoo text --preset <preset> --out runs/<preset>`` does,
 in an order that survives the loss of the machine (weights are not committed):
@@ -15,9 +15,9 @@ in an order that survives the loss of the machine (weights are not committed):
 
 After every step rank 0 mirrors the small records (``preset.json``, each model's
 ``meta.json``, ``measures/*.json``) from ``runs/<preset>/text`` into
-``docs/results/study/<preset>/run/text``, and at start restores the missing ones from
+``studies/results/study/<preset>/run/text``, and at start restores the missing ones from
 there. ``geosharp zoo report --zoo text --preset <preset> --out
-docs/results/study/<preset>/run`` reads the records alone."""
+studies/results/study/<preset>/run`` reads the records alone."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from geosharp_studies.zoo.train import train_zoo
 
 NAME = next((a for a in sys.argv[1:] if not a.startswith("-")), "seeds")
 OUT = Path("runs") / NAME
-MIRROR = Path("docs/results/study") / NAME / "run"
+MIRROR = Path("studies/results/study") / NAME / "run"
 FULL = get_preset("text", NAME)
 MAIN_ONLY = dataclasses.replace(FULL, secondary={}, average_case=(), traces=())
 

@@ -3,7 +3,7 @@ package, not pre-registered): the mean over populations of |tau(geodesic)| -
 |tau(adaptive)| with the error gap at each population's calibrated radius, with a
 bootstrap stratified by population. Reads each population's ``models.csv`` and the
 protocol in its ``endpoints.json``; writes ``pooled.json``. Run from the repository
-root: ``python docs/results/study/pooled.py``."""
+root: ``python studies/results/study/pooled.py``."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ set-up of the same research group, Andriushchenko et al. 2023 / Pesme et al. 202
   exponential geodesic, ``mix`` as the exact trust-region value (unconstrained) and on
   the true geodesic ball, which keeps the signs of ``beta``; the last is what the
   ``mix`` geodesic sharpness is where the second-order expansion fails
-  (``docs/diagonal.md``);
+  (``studies/docs/diagonal.md``);
   the reduced forms are also evaluated over a grid of radii.
 
 Outputs (``--out``, default ``runs/diagonal``): ``networks.csv`` (one row per network),

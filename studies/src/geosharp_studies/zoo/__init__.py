@@ -1,6 +1,6 @@
 """Model zoos of small transformers: train, measure sharpness, report rank correlations.
 
-Populations (see ``docs/zoo.md`` for the protocols) are presets
+Populations (see ``studies/docs/zoo.md`` for the protocols) are presets
 (:mod:`~geosharp_studies.zoo.presets`) of two tasks (:mod:`~geosharp_studies.zoo.tasks`):
 
 * ``vision``: tiny Hugging Face ViTs trained from scratch on Fashion-MNIST,

@@ -244,7 +244,7 @@ SEED_RECIPE = dict(
 )
 # The seed population (issue 10): MiniLM-L6 fine-tunes that differ only in their seed
 # (SEED_RECIPE: one training set, no label noise, converged to ~0.5% training error).
-# Radii fixed by the two pilot models before any gap was seen (docs/results/study/pilot):
+# Radii fixed by the two pilot models before any gap was seen (studies/results/study/pilot):
 # s(2 rho)/s(rho) first reaches 3 at x4-x8 for adaptive and mix, and at x1 for inv.
 TEXT_SEEDS = ZooPreset(
     zoo="text",
@@ -340,7 +340,7 @@ VISION_FINETUNE = ZooPreset(
     # adaptive-linf added after the main grid was measured, with its own pilot on the
     # same pilot models (finetune-pilot/linf); it is reported, not an endpoint
     measures=(*MAIN_MEASURES, "adaptive-linf"),
-    # fixed by its pilot (docs/results/study/finetune-pilot, propose_protocol) before
+    # fixed by its pilot (studies/results/study/finetune-pilot, propose_protocol) before
     # any population model was trained
     rho_factors={
         "adaptive": (2.0, 4.0, 8.0, 16.0),
