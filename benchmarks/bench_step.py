@@ -30,7 +30,7 @@ def build(name: str, batch: int, seq: int):
         data = (torch.rand(batch, 1, 8, 8, generator=gen), torch.randint(0, 10, (batch,)))
         return model, data, image_loss
     if name == "minilm":
-        from geosharp.hf import load_classifier
+        from geosharp.loading.hf import load_classifier
 
         loaded = load_classifier("minilm")
         model, config = loaded.model, loaded.config

@@ -51,9 +51,9 @@ def child(path: str, how: str, dtype_name: str) -> None:
     import torch.distributed as dist
 
     from geosharp import distributed as gd
-    from geosharp.hf import load_causal_lm, load_tokenizer
-    from geosharp.hfdata import causal_lm_loss
-    from geosharp.loading import _load_sharded
+    from geosharp.loading.hf import load_causal_lm, load_tokenizer
+    from geosharp.loading.hfdata import causal_lm_loss
+    from geosharp.loading.job import _load_sharded
     from geosharp.measures.fsdp import shard
     from geosharp.symmetry import find_symmetries
 

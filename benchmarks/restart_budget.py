@@ -26,7 +26,7 @@ def main() -> None:
     import torch
 
     from geosharp import WorstCase, sharpness
-    from geosharp.demo import (
+    from geosharp.cli.demo import (
         image_batches,
         image_loss,
         load_digits,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from geosharp.io import write_json_atomic, write_text_atomic
 from geosharp.models.vit import tiny_vit
-from geosharp.optim import GeodesicSAM
+from geosharp.training.optim import GeodesicSAM
 from geosharp_studies.zoo.tasks import VisionTask
 
 OPTIMIZERS = {  # method -> GeodesicSAM measure (None: AdamW alone)
@@ -313,7 +313,7 @@ def figure(summary: dict, rows: list[dict], path: Path) -> None:
     """Test accuracy with its 95% interval, one point per method; beside it, where the
     runs logged final sharpness, test accuracy against :data:`FIGURE_SHARPNESS` for
     every run at its method's chosen radius."""
-    from geosharp.plots import require_matplotlib, save_png
+    from geosharp.cli.plots import require_matplotlib, save_png
 
     require_matplotlib()
     import matplotlib.pyplot as plt

@@ -649,7 +649,7 @@ def sam(name):
     """Three GeodesicSAM steps (SGD) on the unsharded and on the sharded model, the same
     batches on every process: ``[largest relative difference of the weights after,
     how far the steps moved them]`` per measure."""
-    from geosharp.optim import GeodesicSAM
+    from geosharp.training.optim import GeodesicSAM
 
     arch, dtype = name.split("-")
     out = {}

@@ -118,7 +118,7 @@ def test_measure_vision_builtin_digits(vit_dir, capsys):
 
 
 def test_demo_quick(capfd):
-    from geosharp.demo import run_demo
+    from geosharp.cli.demo import run_demo
 
     lines = []
     assert run_demo(epochs=2, n_iters=3, print_fn=lines.append) == 0

@@ -357,8 +357,8 @@ def test_a_block_near_its_floor_is_named(confident):
 def test_built_in_losses_are_float32_from_half_logits(dtype):
     from types import SimpleNamespace
 
-    from geosharp.hf import classification_loss
-    from geosharp.hfdata import TASKS, causal_lm_loss, task_loss
+    from geosharp.loading.hf import classification_loss
+    from geosharp.loading.hfdata import TASKS, causal_lm_loss, task_loss
     from geosharp.models.vit import image_loss
 
     class Logits(torch.nn.Module):

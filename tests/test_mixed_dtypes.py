@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 import geosharp
-from geosharp.optim import GeodesicSAM
+from geosharp.training.optim import GeodesicSAM
 from test_soundness import assert_unchanged, snapshot
 
 tf = pytest.importorskip("transformers")

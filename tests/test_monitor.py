@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from geosharp.monitor import SharpnessMonitor
+from geosharp.training.monitor import SharpnessMonitor
 from zoo import vit_case
 
 
@@ -64,7 +64,7 @@ def test_trainer_callback_logs_with_the_trainer_s_metrics(tmp_path):
         TrainingArguments,
     )
 
-    from geosharp.callbacks import SharpnessCallback
+    from geosharp.training.callbacks import SharpnessCallback
 
     torch.manual_seed(0)
     config = BertConfig(
@@ -139,8 +139,8 @@ def test_geodesic_sam_trains_inside_a_trainer(tmp_path):
     same AdamW (the Trainer calls optimizer.step() without a closure)."""
     from transformers import TrainingArguments
 
-    from geosharp.callbacks import GeodesicSAMTrainer
-    from geosharp.optim import GeodesicSAM
+    from geosharp.training.callbacks import GeodesicSAMTrainer
+    from geosharp.training.optim import GeodesicSAM
 
     model, train = _tiny_bert(), _Dataset(n=8)
     reference = copy.deepcopy(model)
@@ -170,8 +170,8 @@ def test_geodesic_sam_trains_inside_a_trainer(tmp_path):
 def test_training_integrations_check_their_settings_when_built():
     from transformers import TrainingArguments
 
-    from geosharp.callbacks import GeodesicSAMTrainer, SharpnessCallback
-    from geosharp.optim import GeodesicSAM
+    from geosharp.training.callbacks import GeodesicSAMTrainer, SharpnessCallback
+    from geosharp.training.optim import GeodesicSAM
 
     case = vit_case(torch.float64)
     for bad, error in [
@@ -220,8 +220,8 @@ def test_the_schedule_reaches_the_base_optimizer(tmp_path):
     under StepLR across a load_state_dict (resuming training)."""
     from transformers import Trainer, TrainingArguments
 
-    from geosharp.callbacks import GeodesicSAMTrainer
-    from geosharp.optim import GeodesicSAM
+    from geosharp.training.callbacks import GeodesicSAMTrainer
+    from geosharp.training.optim import GeodesicSAM
 
     train = _Dataset(n=8)
     args = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import geosharp
-from geosharp.optim import GeodesicSAM
+from geosharp.training.optim import GeodesicSAM
 from zoo import encoder_case
 
 

@@ -31,7 +31,7 @@ WORKER = textwrap.dedent(
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel
     from geosharp import distributed as gd
-    from geosharp.optim import GeodesicSAM
+    from geosharp.training.optim import GeodesicSAM
     from zoo import encoder_case
 
     rank, world = gd.init()

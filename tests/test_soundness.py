@@ -185,7 +185,7 @@ def test_one_warning_names_an_ignored_module_and_an_unchecked_pair():
     with pytest.raises(ValueError, match=r"element-wise.*without a numerical check"):
         geosharp.sharpness(model, [x], loss_fn, "geodesic-inv", strict=True, **kw)
     # the command line's status line: a warning, and with --strict a one-line error
-    from geosharp.commands import _say_symmetry_status
+    from geosharp.cli.commands import _say_symmetry_status
 
     lines = []
     unchecked = Symmetries([second], found.parameters)

@@ -300,13 +300,13 @@ def test_debug_shows_the_traceback(bert_dir, text_csv):
     ],
 )
 def test_arguments_are_checked_before_the_model_loads(bert_dir, text_csv, monkeypatch, capsys, bad):
-    import geosharp.hf
+    import geosharp.loading.hf
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model must not be loaded before the arguments are checked")
 
-    monkeypatch.setattr(geosharp.hf, "load_classifier", forbidden)
-    monkeypatch.setattr(geosharp.hf, "load_config", forbidden)
+    monkeypatch.setattr(geosharp.loading.hf, "load_classifier", forbidden)
+    monkeypatch.setattr(geosharp.loading.hf, "load_config", forbidden)
     bad = [a.replace("CHECKPOINT", str(bert_dir)) for a in bad]
     _one_line_error(capsys, main(["measure", str(bert_dir), "--data", str(text_csv), *bad]))
 
@@ -746,7 +746,7 @@ def test_the_sharded_loads_skeleton_takes_process_0s_dtypes_and_ties():
     one-line error."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from geosharp.loading import _on_meta
+    from geosharp.loading.job import _on_meta
 
     config = GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=16)
     with torch.device("meta"):
@@ -768,7 +768,7 @@ def test_weights_dtype_and_checkpointing_options(tmp_path, capsys, monkeypatch):
     is a one-line error before the weights load."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from geosharp.loading import weights_dtype
+    from geosharp.loading.job import weights_dtype
 
     assert weights_dtype("float32", LlamaConfig()) == (torch.float32, None)
     dtype, said = weights_dtype("auto", LlamaConfig(dtype="bfloat16"))
@@ -926,12 +926,12 @@ def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
 
 
 def test_out_of_memory_is_one_line(monkeypatch, bert_dir, text_csv, capsys):
-    import geosharp.commands
+    import geosharp.cli.commands
 
     def oom(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
 
-    monkeypatch.setattr(geosharp.commands, "run_measure", oom)
+    monkeypatch.setattr(geosharp.cli.commands, "run_measure", oom)
     code = main(["measure", str(bert_dir), "--data", str(text_csv)])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "--batch-size" in err

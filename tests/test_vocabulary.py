@@ -8,7 +8,7 @@ from torch import nn
 
 import geosharp
 from geosharp import UsageError, sharpness
-from geosharp.vocabulary import compact_vocabulary
+from geosharp.loading.vocabulary import compact_vocabulary
 from zoo import bert_case
 
 TABLE = "bert.embeddings.word_embeddings"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geosharp.hfdata import CAUSAL_LM, causal_lm_loss, preflight
+from geosharp.loading.hfdata import CAUSAL_LM, causal_lm_loss, preflight
 from hf_zoo import build as build_hf
 
 
@@ -84,7 +84,7 @@ def test_images_in_any_mode_read_as_their_8_bit_rgb_copies(mode, tmp_path):
     import numpy as np
     from PIL import Image
 
-    from geosharp.data import read_images
+    from geosharp.loading.data import read_images
 
     g = np.random.default_rng(0)
     rgb = Image.fromarray(g.integers(0, 256, (6, 5, 3), dtype=np.uint8), "RGB")
@@ -166,8 +166,8 @@ def test_class_folders_are_read_at_any_depth_and_never_dropped(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from geosharp.data import image_folder_items
     from geosharp.errors import UsageError
+    from geosharp.loading.data import image_folder_items
 
     pixel = Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8))
     for where in ("apple/batch1/a.png", "apple/batch2/b.png", "pear/c.png"):
@@ -215,8 +215,8 @@ def test_images_outside_the_8_and_16_bit_ranges_are_refused(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from geosharp.data import read_images
     from geosharp.errors import UsageError
+    from geosharp.loading.data import read_images
 
     Image.fromarray(np.full((4, 4), 300.0, dtype=np.float32), "F").save(tmp_path / "a.tiff")
     with pytest.raises(

@@ -5,6 +5,7 @@ attention ("Hide & Seek", da Silva, Dangel & Oore, ICML 2025), next to Euclidean
 adaptive sharpness.
 """
 
+from . import aliases
 from .errors import PrecisionWarning, SymmetryWarning, UsageError
 from .geometry import GEOMETRIES, Geometry, InvMetric, MixMetric, PerturbationSpace
 from .measures import (
@@ -32,6 +33,8 @@ from .symmetry import (
 )
 
 __version__ = "0.1.0"
+
+aliases.install()  # geosharp.hf, geosharp.optim, ...: the public paths of docs/api.md
 
 __all__ = [
     "DEFAULT_RHO",

@@ -117,7 +117,7 @@ def test_clip_layouts_agree_and_measure(tmp_path, fake_imagenet):
 def test_bert_mnli(tmp_path):
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from geosharp.hf import classification_loss, resolve_checkpoint
+    from geosharp.loading.hf import classification_loss, resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("minilm"), local_files_only=True)
     config = BertConfig(
@@ -200,7 +200,7 @@ def _bert_driver_setup(tmp_path):
 
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from geosharp.hf import resolve_checkpoint
+    from geosharp.loading.hf import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("minilm"), local_files_only=True)
     config = BertConfig(

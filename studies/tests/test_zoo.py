@@ -183,9 +183,9 @@ def test_cli_zoo(tmp_path):
 
 
 def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
-    import geosharp.data
+    import geosharp.loading.data
 
-    monkeypatch.setattr(geosharp.data, "FASHION_MNIST_DIRS", (tmp_path,))
+    monkeypatch.setattr(geosharp.loading.data, "FASHION_MNIST_DIRS", (tmp_path,))
     monkeypatch.setattr(zoo.tasks, "_VISION_CACHE", {})
     xtr, ytr, _, yte, source = zoo.tasks.VisionTask().pool()
     yte = yte[:10]

@@ -56,7 +56,7 @@ point, kept as a flat copy, written back at the end (:class:`ShardedModel`).
 Not available on a sharded model: ``entries=``, :func:`block_sharpness`,
 ``distributed=True`` (every process measures every batch), and the Hessian trace
 (double backward through FSDP2 is not supported by torch).
-:class:`geosharp.optim.GeodesicSAM` works on a sharded model of float32 parameters.
+:class:`geosharp.training.optim.GeodesicSAM` works on a sharded model of float32 parameters.
 Under ``torchrun``, release the sharded model and call
 :func:`geosharp.distributed.close` at the end: a process that exits while FSDP's
 communication objects live can abort after its work is done.

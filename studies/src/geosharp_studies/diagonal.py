@@ -71,15 +71,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from geosharp.cli.options import Parser, add_seed
+from geosharp.cli.plots import require_matplotlib, save_png
 from geosharp.errors import UsageError
 from geosharp.geometry.space import Geometry, PerturbationSpace
 from geosharp.io import write_json_atomic
 from geosharp.layout import ParameterLayout
 from geosharp.measures.apgd import auto_pgd
 from geosharp.measures.catalog import TABLE
-from geosharp.options import Parser, add_seed
 from geosharp.params import functional_loss
-from geosharp.plots import require_matplotlib, save_png
 from geosharp.symmetry.discovery import find_symmetries
 
 from .diagonal_net import (

@@ -275,7 +275,7 @@ def plot_tau_curves(curves: dict, path, marks: Sequence[dict] = ()) -> None:
     """Kendall's tau against the median loss increase, one line with a band per measure;
     ``marks`` (each with ``median`` and ``tau``) are drawn as crosses (the secondary
     measures of a population report, listed in its ``endpoints.json``)."""
-    from geosharp.plots import require_matplotlib, save_png
+    from geosharp.cli.plots import require_matplotlib, save_png
 
     require_matplotlib()
     import matplotlib.pyplot as plt

@@ -225,7 +225,7 @@ def imagenet_batches(
     """``(pixel_values, labels)`` batches from an ImageFolder-style directory: a fixed,
     seeded subset of ``n_images`` images (all when ``None``); labels through
     ``class_ids`` (:func:`imagenet_class_ids`; default: the sorted folders)."""
-    from geosharp.data import image_folder_items, read_images
+    from geosharp.loading.data import image_folder_items, read_images
 
     items, folders = image_folder_items(root, n_images, seed)
     if not items:
@@ -251,7 +251,7 @@ def load_bert_mnli(path: str | Path):
     measured, another on every load)."""
     from transformers import BertForSequenceClassification
 
-    from geosharp.hf import check_weights, quiet_transformers
+    from geosharp.loading.hf import check_weights, quiet_transformers
 
     check_weights(path)
     with quiet_transformers():
@@ -279,7 +279,7 @@ def mnli_label_ids(config, label_order: list[str] | None = None) -> dict[str, in
     """``{MNLI label name: model output}`` from the config's label names, or from
     ``label_order`` (the names in output order) when the config names none; an error
     when neither says it, or they disagree."""
-    from geosharp.hfdata import label_names
+    from geosharp.loading.hfdata import label_names
 
     if getattr(config, "num_labels", 3) != 3:
         raise UsageError(f"the checkpoint has {config.num_labels} outputs; MNLI has 3 classes")
@@ -396,7 +396,7 @@ def mnli_batches(
     """Tokenised batches (``input_ids``, ``token_type_ids``, ``attention_mask``,
     ``labels``) of the first ``n_examples`` rows, labels mapped to the model's outputs
     by :func:`mnli_label_ids`; the checkpoint's own tokenizer (an error without one)."""
-    from geosharp.hf import load_config, load_tokenizer
+    from geosharp.loading.hf import load_config, load_tokenizer
 
     tok = load_tokenizer(model_dir)
     config = config or load_config(model_dir)
@@ -535,7 +535,7 @@ def matched_gaps(gaps: dict[str, float], checkpoints: list[Path], path) -> dict[
 
 def _load(args, ckpt: Path, rows):
     """Model, measurement batches and loss of one checkpoint."""
-    from geosharp.hf import classification_loss
+    from geosharp.loading.hf import classification_loss
 
     if args.setting == "clip":
         model = load_clip_finetune(ckpt, config=args.config)
@@ -563,12 +563,12 @@ def run_paper(args) -> dict:
     """Measure every checkpoint (this rank's share of them under ``torchrun``), then,
     on rank 0 once all are done, read every record back and write ``summary.json``."""
     from geosharp import distributed as gd
-    from geosharp.data import move_batch
+    from geosharp.cli.options import autocast_dtype, check_device
     from geosharp.errors import MissingInputError
-    from geosharp.hf import quiet_transformers
     from geosharp.io import write_json_atomic
+    from geosharp.loading.data import move_batch
+    from geosharp.loading.hf import quiet_transformers
     from geosharp.measures import DEFAULT_RHO
-    from geosharp.options import autocast_dtype, check_device
     from geosharp.progress import Progress
 
     from .stats import kendall_tau_with_ci
@@ -638,8 +638,14 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     """The driver's command-line options (``geosharp study paper --help``)."""
+    from geosharp.cli.options import (
+        add_autocast,
+        add_device,
+        add_seed,
+        positive_float,
+        positive_int,
+    )
     from geosharp.measures import MEASURES
-    from geosharp.options import add_autocast, add_device, add_seed, positive_float, positive_int
 
     from .zoo import ALL_MEASURES
 
@@ -686,7 +692,7 @@ def add_arguments(p) -> None:
 
 
 def _parser():
-    from geosharp.options import Parser
+    from geosharp.cli.options import Parser
 
     p = Parser(prog="geosharp study paper", description=DESCRIPTION)
     add_arguments(p)
@@ -707,8 +713,8 @@ PAPER_PROTOCOL = {
 def run(args) -> int:
     """Run the driver for parsed options; paths and the device are checked first. Points
     and batch size default to the paper's protocol (``PAPER_PROTOCOL``)."""
+    from geosharp.cli.options import check_device
     from geosharp.errors import MissingInputError
-    from geosharp.options import check_device
 
     for key, value in PAPER_PROTOCOL[args.setting].items():
         if getattr(args, key) is None:

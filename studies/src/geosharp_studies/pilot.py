@@ -137,8 +137,8 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     """The pilot's command-line options (``geosharp study pilot --help``)."""
+    from geosharp.cli.options import add_seed, positive_float, positive_int
     from geosharp.measures import MEASURES
-    from geosharp.options import add_seed, positive_float, positive_int
 
     p.add_argument("--out", default="runs/pilot", help="results directory (runs/pilot)")
     p.add_argument(

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from geosharp.options import positive_float
-from geosharp.plots import require_matplotlib, save_png
+from geosharp.cli.options import positive_float
+from geosharp.cli.plots import require_matplotlib, save_png
 
 __all__ = [
     "christoffel",
@@ -377,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from geosharp.options import Parser
+    from geosharp.cli.options import Parser
 
     parser = Parser(prog="geosharp study toy", description=DESCRIPTION)
     add_arguments(parser)

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from geosharp import distributed as gd
+from geosharp.cli.plots import require_matplotlib
 from geosharp.errors import UsageError
 from geosharp.io import write_text_atomic
-from geosharp.plots import require_matplotlib
 
 from .measure import measure_zoo
 from .pilot import format_pilot, pilot_zoo
@@ -31,7 +31,7 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The zoo's command-line options (``geosharp zoo --help``)."""
-    from geosharp.options import add_device, positive_float, positive_int
+    from geosharp.cli.options import add_device, positive_float, positive_int
 
     p.add_argument(
         "action",
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from geosharp.options import Parser
+    from geosharp.cli.options import Parser
 
     p = Parser(prog="geosharp zoo", description=DESCRIPTION)
     add_arguments(p)
@@ -100,7 +100,7 @@ def _seed_noise(args: argparse.Namespace, preset) -> float | None:
 def run(args: argparse.Namespace) -> int:
     """Run the zoo action for parsed options; settings are checked before any work."""
 
-    from geosharp.options import check_device
+    from geosharp.cli.options import check_device
 
     preset = get_preset(args.zoo, args.preset)
     if args.n_models is not None:

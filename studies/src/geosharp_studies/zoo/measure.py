@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from geosharp import distributed as gd
-from geosharp.data import move_batch
 from geosharp.io import write_json_atomic
+from geosharp.loading.data import move_batch
 
 from .presets import ZooPreset, sample_hyperparameters
 from .store import check_preset, missing, model_complete, my_share, read_json, zoo_dir
@@ -149,7 +149,7 @@ def measurement_setting(preset: ZooPreset, model, batches):
     (with the token-embedding table restricted to their rows while the block lasts,
     when ``measure_vocabulary == "batch"``) and the keywords of the measure (the
     parameters left unperturbed by ``frozen_in_measure``)."""
-    from geosharp.vocabulary import compact_vocabulary
+    from geosharp.loading.vocabulary import compact_vocabulary
 
     kwargs = {}
     if preset.frozen_in_measure:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from geosharp import distributed as gd
-from geosharp.data import move_batch
 from geosharp.io import write_json_atomic
+from geosharp.loading.data import move_batch
 
 from ..pilot import maximiser_check, primary_factor, radius_pilot
 from .measure import measurement_batches, measurement_setting

@@ -64,7 +64,7 @@ class ZooPreset:
     # word-embedding table, which dominates the cost and only sees the batch's tokens)
     frozen_in_measure: tuple[str, ...] = ()
     # "batch": perturb the word-embedding rows of the measurement batches' tokens
-    # (geosharp.vocabulary.compact_vocabulary: exact, and cheap); "full": the whole table
+    # (geosharp.loading.vocabulary.compact_vocabulary: exact, and cheap); "full": the whole table
     measure_vocabulary: str = "full"
     # per-model baselines next to the measures: full-batch gradient norm, weight norm,
     # distance from the pre-trained weights, loss on the measurement points

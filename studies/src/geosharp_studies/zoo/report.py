@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from geosharp.cli.plots import require_matplotlib
 from geosharp.errors import UsageError
 from geosharp.io import write_json_atomic, write_text_atomic
 from geosharp.measures.catalog import HESSIAN_TRACES, PAPER_TABLE
-from geosharp.plots import require_matplotlib
 
 from ..endpoints import (
     Protocol,

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from geosharp.data import move_batch
+from geosharp.loading.data import move_batch
 
 __all__ = [
     "TASKS",
@@ -52,7 +52,7 @@ class Task:
     setting: str  # one line for the report
     source: str  # the data set's name, for the records
     # the token-embedding module, for tasks whose measurement restricts it to the
-    # batches' rows (geosharp.vocabulary.compact_vocabulary); None: no such table
+    # batches' rows (geosharp.loading.vocabulary.compact_vocabulary); None: no such table
     embedding: str | None = None
     # for models that all start from one pre-trained model: that model's task (which
     # ``train.prepare`` trains with the preset's ``pretrain`` recipe); None: from scratch
@@ -130,7 +130,7 @@ def _vision_pool() -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
     """Normalised train pool (shuffled once, seed 0), test set, and the data's name:
     Fashion-MNIST, or (if its Debian package is missing) scikit-learn digits."""
     if "data" not in _VISION_CACHE:
-        from geosharp.data import load_digits, load_fashion_mnist
+        from geosharp.loading.data import load_digits, load_fashion_mnist
 
         try:
             train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
@@ -216,7 +216,7 @@ class VisionTask(Task):
     def load_model(self, directory: Path) -> nn.Module:
         from transformers import ViTForImageClassification
 
-        from geosharp.hf import quiet_transformers
+        from geosharp.loading.hf import quiet_transformers
 
         with quiet_transformers():
             return ViTForImageClassification.from_pretrained(
@@ -295,8 +295,8 @@ class TextTask(Task):
         if max_length not in self._cache:
             from transformers import AutoTokenizer
 
-            from geosharp.data import load_rotten_tomatoes
-            from geosharp.hf import resolve_checkpoint
+            from geosharp.loading.data import load_rotten_tomatoes
+            from geosharp.loading.hf import resolve_checkpoint
 
             data = load_rotten_tomatoes()
             order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(0))
@@ -343,7 +343,7 @@ class TextTask(Task):
     def build_model(self, hp: dict) -> nn.Module:
         from transformers import BertModel
 
-        from geosharp.hf import quiet_transformers, resolve_checkpoint
+        from geosharp.loading.hf import quiet_transformers, resolve_checkpoint
 
         with quiet_transformers(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(hp["seed"]))

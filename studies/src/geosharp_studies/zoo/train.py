@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from geosharp import distributed as gd
-from geosharp.data import move_batch
 from geosharp.errors import UsageError
 from geosharp.io import write_json_atomic
+from geosharp.loading.data import move_batch
 
 from .presets import ZooPreset, sample_hyperparameters
 from .store import check_preset, model_complete, my_share, read_json, save_model, zoo_dir

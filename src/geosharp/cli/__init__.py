@@ -1,7 +1,7 @@
 """Command-line interface: one tree of commands, every option shown by ``--help``.
 
 ``geosharp demo | measure | symmetries``, and the commands other installed packages add
-through the entry-point group ``geosharp.commands`` (the research studies of the repository,
+through the entry-point group ``geosharp.cli.commands`` (the research studies of the repository,
 ``studies/``, add ``study`` and ``zoo``). A user error
 (bad argument, missing file, data that does not fit the model) prints one line
 ``geosharp: error: ...`` naming the problem and the fix, and exits with status 2;
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 from .options import Parser, add_json, add_seed, at_least_one, positive_int
 
 __all__ = ["build_parser", "main"]
@@ -61,7 +61,7 @@ def _version() -> str:
     try:
         return version("geosharp")
     except PackageNotFoundError:  # run from a source tree
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -151,10 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         if not done:  # under torchrun: leave without waiting for the other processes
-            from .distributed import failed
+            from ..distributed import failed
 
             failed()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

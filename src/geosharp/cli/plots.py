@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import MissingDependencyError, UsageError
+from ..errors import MissingDependencyError, UsageError
 
 __all__ = ["check_figure_path", "require_matplotlib", "save_figure", "save_png"]
 

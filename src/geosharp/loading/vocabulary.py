@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["compact_vocabulary"]
 

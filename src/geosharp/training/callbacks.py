@@ -1,19 +1,19 @@
 """Sharpness in a Hugging Face ``Trainer``: :class:`SharpnessCallback` measures it,
-:class:`GeodesicSAMTrainer` trains against it (:class:`~geosharp.optim.GeodesicSAM`).
+:class:`GeodesicSAMTrainer` trains against it (:class:`~geosharp.training.optim.GeodesicSAM`).
 
 It measures chosen sharpness measures on fixed training batches every
 ``every_n_steps`` optimiser steps and/or at each evaluation, and logs them with the
 Trainer's own metrics, so that they reach the loggers already configured
-(TensorBoard, W&B, CSV, ...). The measuring is :class:`geosharp.monitor.SharpnessMonitor`.
+(TensorBoard, W&B, CSV, ...). The measuring is :class:`geosharp.training.monitor.SharpnessMonitor`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from .errors import MissingDependencyError
+from ..errors import MissingDependencyError
+from ..params import LossFunction
 from .monitor import SharpnessMonitor
-from .params import LossFunction
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -104,7 +104,7 @@ class SharpnessCallback(TrainerCallback):
 
 
 class GeodesicSAMTrainer(Trainer):
-    """A ``transformers.Trainer`` that trains with :class:`~geosharp.optim.GeodesicSAM`.
+    """A ``transformers.Trainer`` that trains with :class:`~geosharp.training.optim.GeodesicSAM`.
 
     Use it as a ``Trainer``, with two more arguments::
 
@@ -116,15 +116,15 @@ class GeodesicSAMTrainer(Trainer):
     groups, schedule) becomes the base optimizer; one given as ``optimizers=(opt,
     scheduler)`` may be a ``GeodesicSAM`` already. Each training step is two forward+
     backward passes: at ``w`` (the loss reported) and, after
-    :meth:`~geosharp.optim.GeodesicSAM.first_step`, at the ascent point; the Trainer then
+    :meth:`~geosharp.training.optim.GeodesicSAM.first_step`, at the ascent point; the Trainer then
     clips that gradient (``max_grad_norm``) and calls ``optimizer.step()``, which goes
     back to ``w`` and takes the base step. Gradient accumulation is refused: the ascent
     needs the whole batch's gradient.
     """
 
     def __init__(self, *args, sam_rho: float = 0.05, sam_measure: str = "geodesic-inv", **kwargs):
-        from .errors import real_number
-        from .measures import measure_kwargs
+        from ..errors import real_number
+        from ..measures import measure_kwargs
 
         rho = real_number(sam_rho, "sam_rho")
         if not (rho >= 0 and rho < float("inf")):

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .errors import MissingInputError, UsageError, require
-from .params import in_float32
+from ..errors import MissingInputError, UsageError, require
+from ..params import in_float32
 
 __all__ = [
     "LoadedClassifier",
@@ -360,7 +360,7 @@ def example_inputs(
     model: nn.Module, batch_size: int = 2, seq_len: int = 12, seed: int = 0
 ) -> dict[str, Tensor]:
     """Random inputs that fit the model's config (for the symmetry self-check)."""
-    from .symmetry.inputs import example_inputs as from_config
+    from ..symmetry.inputs import example_inputs as from_config
 
     inputs = from_config(model, batch_size, seq_len, seed)
     if inputs is None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import MissingInputError, PrecisionWarning, SymmetryWarning, UsageError
-from .io import dumps
-from .loading import BUILTIN_DATA
+from ..errors import MissingInputError, PrecisionWarning, SymmetryWarning, UsageError
+from ..io import dumps
+from ..loading.job import BUILTIN_DATA
 from .options import (
     add_autocast,
     add_device,
@@ -198,7 +198,7 @@ def add_symmetries_arguments(p: argparse.ArgumentParser) -> None:
 def measure_names(spec: str) -> list[str]:
     """The measures named by ``--measures`` (sharpness measures and Hessian traces), or
     an error listing the known names."""
-    from .measures import HESSIAN_TRACES, MEASURES
+    from ..measures import HESSIAN_TRACES, MEASURES
 
     known = [*MEASURES, *HESSIAN_TRACES]
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -216,7 +216,7 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
     """Radius per measure from ``--rho`` (one number, or ``name=value,...``); the rest
     take ``DEFAULT_RHO``."""
 
-    from .measures import DEFAULT_RHO
+    from ..measures import DEFAULT_RHO
 
     table = {n: DEFAULT_RHO[n] for n in names if n in DEFAULT_RHO}  # traces have no radius
     if not spec.strip():
@@ -247,8 +247,8 @@ def rho_table(spec: str, names: list[str]) -> dict[str, float]:
 def run_measure(args) -> int:
     """``geosharp measure``: every cheap check, the job loaded and checked, each measure
     written as it is done (resumable), the table."""
-    from .distributed import close
-    from .loading import load_job
+    from ..distributed import close
+    from ..loading.job import load_job
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     plan = _plan(args)
@@ -304,10 +304,10 @@ class _Plan:
 def _plan(args) -> _Plan:
     """Every check that needs no model (arguments, paths, devices, a results file to
     resume), before anything slow."""
-    from .hf import resolve_checkpoint
-    from .io import fingerprint
-    from .loading import data_kind
-    from .measures import HESSIAN_TRACES
+    from ..io import fingerprint
+    from ..loading.hf import resolve_checkpoint
+    from ..loading.job import data_kind
+    from ..measures import HESSIAN_TRACES
 
     if args.low_memory:
         raise UsageError(
@@ -363,7 +363,7 @@ def _plan(args) -> _Plan:
 def _announce(args, plan: _Plan, job, say) -> None:
     """The lines that say how the job was loaded and what was found, before measuring
     (with ``--strict``, an error where a geodesic value would not be symmetry-correct)."""
-    from .hfdata import CAUSAL_LM
+    from ..loading.hfdata import CAUSAL_LM
 
     sym = job.symmetries
     geodesic = [n for n in plan.names if measure_uses_pairs(n)]
@@ -397,7 +397,7 @@ def _announce(args, plan: _Plan, job, say) -> None:
 def _measure_each(args, plan: _Plan, job, header: dict, say) -> list[dict]:
     """Each measure in turn (those a resumed file holds are kept), the results file
     rewritten after each: a kill loses at most one."""
-    from .measures import HESSIAN_TRACES
+    from ..measures import HESSIAN_TRACES
 
     done = {r["measure"]: r for r in plan.previous.get("results", [])}
     if done:
@@ -422,7 +422,7 @@ def _measure_each(args, plan: _Plan, job, header: dict, say) -> list[dict]:
 
 def _trace_row(args, plan: _Plan, job, name: str, say) -> dict:
     """A Hessian trace: no radius, no autocast; every process computes it."""
-    from .measures import HESSIAN_TRACES, hessian_trace
+    from ..measures import HESSIAN_TRACES, hessian_trace
 
     trace = hessian_trace(
         job.model, job.batches, job.loss_fn, HESSIAN_TRACES[name], n_probes=args.n_probes,
@@ -434,8 +434,8 @@ def _trace_row(args, plan: _Plan, job, name: str, say) -> dict:
 def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
     """One sharpness measure (or, ``--per``, one per block), with what the command line
     says of its round-off floor and of non-finite losses."""
-    from .measures import AverageCase, WorstCase, block_sharpness, sharpness
-    from .measures.problem import FloorError, NonFiniteError, floor_message
+    from ..measures import AverageCase, WorstCase, block_sharpness, sharpness
+    from ..measures.problem import FloorError, NonFiniteError, floor_message
 
     estimator = AverageCase(args.n_samples) if args.kind == "average" else WorstCase(args.n_iters)
     options = dict(
@@ -478,7 +478,7 @@ def _sharpness_row(args, plan: _Plan, job, name: str, say) -> dict:
 
 def _save(args, header: dict, results: list, complete: bool, rank: int = 0) -> None:
     """The results file, written atomically (on the first process)."""
-    from .io import write_json_atomic
+    from ..io import write_json_atomic
 
     if rank == 0 and args.json and args.json != "-":
         payload = {**header, "complete": complete, "results": results}
@@ -547,8 +547,8 @@ def _number(value, row: dict) -> str:
 def run_settings(args, rhos: dict[str, float]) -> dict:
     """Everything of a ``geosharp measure`` run that changes a value: a results file is
     resumed only by a run with the same settings."""
-    from . import __version__
-    from .measures.apgd import RESTART
+    from .. import __version__
+    from ..measures.apgd import RESTART
 
     keys = ("data", "text_column", "label_column", "split", "tokenizer", "n_points",
             "batch_size", "max_length", "kind", "n_iters", "n_samples", "n_probes", "seed",
@@ -561,7 +561,7 @@ def run_settings(args, rhos: dict[str, float]) -> dict:
 def resumable(args, settings: dict) -> dict:
     """The results file that ``--resume`` continues (``{}`` if there is none yet); an
     error when it was made with other settings, or there is no file to resume."""
-    from .io import read_json_file
+    from ..io import read_json_file
 
     if not args.resume:
         return {}
@@ -606,7 +606,7 @@ def resumable(args, settings: dict) -> dict:
 
 def measure_uses_pairs(name: str) -> bool:
     """Whether the named measure (or Hessian trace) has a pair factor."""
-    from .measures import HESSIAN_TRACES, measure_kwargs
+    from ..measures import HESSIAN_TRACES, measure_kwargs
 
     return measure_kwargs(HESSIAN_TRACES.get(name, name))["geometry"].startswith("geodesic")
 
@@ -661,8 +661,8 @@ def _say_symmetry_status(symmetries, geodesic: list[str], strict: bool, say) -> 
 
 
 def run_symmetries(args) -> int:
-    from .hf import example_inputs, load_model, meta_model
-    from .symmetry import check_symmetries, find_symmetries
+    from ..loading.hf import example_inputs, load_model, meta_model
+    from ..symmetry import check_symmetries, find_symmetries
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.no_weights:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .geometry.space import PerturbationSpace
-from .symmetry.pairs import Symmetries
+from ..geometry.space import PerturbationSpace
+from ..symmetry.pairs import Symmetries
 
 __all__ = ["GeodesicSAM"]
 
@@ -82,8 +82,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         symmetries: Symmetries | None = None,
         **kwargs,
     ) -> None:
-        from .errors import real_number
-        from .measures.problem import check_model, find_target, geometry_of
+        from ..errors import real_number
+        from ..measures.problem import check_model, find_target, geometry_of
 
         check_model(model)
         rho = real_number(rho, "rho")
@@ -214,7 +214,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         Returns the loss at ``w``. Without a closure, after :meth:`first_step` and the
         backward at the ascent point, it is :meth:`second_step` (how a training loop
         that calls ``optimizer.step()`` uses it, e.g.
-        :class:`geosharp.callbacks.GeodesicSAMTrainer`)."""
+        :class:`geosharp.training.callbacks.GeodesicSAMTrainer`)."""
         if closure is None:
             if self._saved is None:
                 raise ValueError(

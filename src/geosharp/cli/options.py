@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "Parser",
@@ -124,7 +124,7 @@ def check_device(spec: str):
     exist here."""
     import torch
 
-    from . import distributed as gd
+    from .. import distributed as gd
 
     if spec == "auto":
         return gd.device("auto")

@@ -20,18 +20,18 @@ import time
 
 import torch
 
-from .data import load_digits
-from .errors import require_all
-from .io import write_json_atomic
-from .measures import DEFAULT_RHO, WorstCase, sharpness
-from .models.vit import (
+from ..errors import require_all
+from ..io import write_json_atomic
+from ..loading.data import load_digits
+from ..measures import DEFAULT_RHO, WorstCase, sharpness
+from ..models.vit import (
     accuracy_and_loss,
     image_batches,
     image_loss,
     tiny_vit,
     train_image_classifier,
 )
-from .symmetry import check_symmetries, find_symmetries, reparameterize
+from ..symmetry import check_symmetries, find_symmetries, reparameterize
 
 __all__ = ["DEMO_MEASURES", "run_demo"]
 
@@ -196,7 +196,7 @@ def _coverage(print_fn) -> list[dict]:
         import transformers
     except ImportError:  # the hf extra: nothing to show
         return []
-    from .hf import quiet_transformers
+    from ..loading.hf import quiet_transformers
 
     print_fn("")
     print_fn(

@@ -1,6 +1,6 @@
 """Checkpoints and data for the command line: what ``--data`` names, the task of a
 checkpoint, the measurement batches loaded as the checkpoint's owner made them
-(:mod:`geosharp.hfdata`: label names, image processor, tokenizer limits), and the whole
+(:mod:`geosharp.loading.hfdata`: label names, image processor, tokenizer limits), and the whole
 job of ``geosharp measure`` loaded and checked (:func:`load_job`) before anything slow.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MissingInputError, UsageError
+from ..errors import MissingInputError, UsageError
 
 __all__ = ["BUILTIN_DATA", "BUILTIN_IMAGES", "Job", "data_kind", "load_batches", "load_job"]
 
@@ -51,7 +51,7 @@ def data_kind(source: str) -> str:
 
 def resolve_task(option: str, config) -> str:
     """The task of ``--task`` (``auto``: a causal LM when config.json's architectures
-    say so, else the classifier's task of :func:`geosharp.hfdata.task_of`)."""
+    say so, else the classifier's task of :func:`geosharp.loading.hfdata.task_of`)."""
     from .hfdata import CAUSAL_LM, is_causal_lm, task_of
 
     archs = getattr(config, "architectures", None) or []
@@ -68,7 +68,7 @@ def resolve_task(option: str, config) -> str:
 
 def load_batches(args, path: Path, config) -> tuple[list[dict], list[str]]:
     """The measurement batches of ``--data`` for the model in ``path``, loaded as the
-    checkpoint's owner made them (:mod:`geosharp.hfdata`), and the lines that say how
+    checkpoint's owner made them (:mod:`geosharp.loading.hfdata`), and the lines that say how
     (label mapping, pixels, texts cut)."""
     from . import data as datasets
     from . import hfdata
@@ -318,16 +318,16 @@ class Job:
 
 def load_job(args, path: Path, device: torch.device) -> Job:
     """The checkpoint at ``path`` (in ``--dtype``) and the batches of ``--data`` on
-    ``device``, checked by one pass over every batch (:func:`geosharp.hfdata.preflight`),
+    ``device``, checked by one pass over every batch (:func:`geosharp.loading.hfdata.preflight`),
     with the model's symmetries found on the first batch; under ``torchrun`` the process
     group is started, and with ``--fsdp`` the model is sharded along its pairs without a
     whole copy on any device (:func:`_load_sharded`)."""
-    from . import distributed as gd
+    from .. import distributed as gd
+    from ..measures.fsdp import reshard
+    from ..symmetry import find_symmetries
     from .data import move_batch
     from .hf import check_weights, load_causal_lm, load_classifier, load_config
     from .hfdata import CAUSAL_LM, causal_lm_loss, preflight, task_loss
-    from .measures.fsdp import reshard
-    from .symmetry import find_symmetries
 
     config = load_config(path)
     check_weights(path)
@@ -437,10 +437,10 @@ def _load_sharded(load, path, dtype, seed, device, batch, loss_fn, checkpointing
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from .distributed import all_reduce_max
-    from .measures.fsdp import reshard, shard
-    from .symmetry import find_symmetries
-    from .symmetry.discovery import verify_symmetries
+    from ..distributed import all_reduce_max
+    from ..measures.fsdp import reshard, shard
+    from ..symmetry import find_symmetries
+    from ..symmetry.discovery import verify_symmetries
 
     rank = dist.get_rank()
     whole, (cls, config, new, dtypes) = _read_on_process_0(load, path, dtype, seed)

@@ -2,7 +2,7 @@
 
 :class:`SharpnessMonitor` measures chosen measures on a fixed set of training batches
 whenever it is called and returns them as metrics (``{"sharpness/adaptive": ...}``)
-for any logger; :class:`geosharp.callbacks.SharpnessCallback` drives it from a Hugging
+for any logger; :class:`geosharp.training.callbacks.SharpnessCallback` drives it from a Hugging
 Face ``Trainer``. Measuring never changes the model (see :func:`geosharp.sharpness`);
 it costs ``n_iters`` forward+backward passes per batch and measure.
 
@@ -22,16 +22,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
-from .data import move_batch
-from .measures import DEFAULT_RHO, WorstCase, measure_kwargs, sharpness
-from .measures.problem import check_model, checked_rho
-from .params import LossFunction
+from ..loading.data import move_batch
+from ..measures import DEFAULT_RHO, WorstCase, measure_kwargs, sharpness
+from ..measures.problem import check_model, checked_rho
+from ..params import LossFunction
 
 __all__ = ["SharpnessMonitor"]
 
 
 def _hf_loss(model: nn.Module, batch):
-    from .hfdata import task_loss
+    from ..loading.hfdata import task_loss
 
     return task_loss(model, batch)
 
@@ -95,7 +95,7 @@ class SharpnessMonitor:
         self.history: list[dict] = []
 
     def __call__(self, model: nn.Module, step: int | None = None) -> dict[str, float]:
-        from .symmetry import find_symmetries
+        from ..symmetry import find_symmetries
 
         check_model(model)
         device = next(model.parameters()).device

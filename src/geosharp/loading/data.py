@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import MissingDependencyError, MissingInputError, UsageError
+from ..errors import MissingDependencyError, MissingInputError, UsageError
 
 __all__ = [
     "ImageData",

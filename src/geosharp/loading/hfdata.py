@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .errors import UsageError
-from .params import in_float32
+from ..errors import UsageError
+from ..params import in_float32
 
 __all__ = [
     "TASKS",
@@ -389,7 +389,7 @@ def preflight(model: nn.Module, batches: list[dict], source: str, task: str | No
     loss is the mean over batches of each batch's mean loss (per target token for a
     causal LM, per point otherwise): the average the measures report as ``loss`` and
     measure sharpness against."""
-    from .params import evaluation_mode
+    from ..params import evaluation_mode
 
     accepted = [
         name
