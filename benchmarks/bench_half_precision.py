@@ -29,7 +29,7 @@ def one(mode: str) -> dict:
 
     warnings.simplefilter("ignore")
     if mode == "whole-float32":  # the path geosharp takes where it cannot cast modules alone
-        module = importlib.import_module("geosharp.measures.problem")
+        module = importlib.import_module("geosharp.measures.backends.owners")
         module.MixedPrecision.plan = classmethod(lambda cls, *args: None)
     torch.manual_seed(0)
     torch.set_num_threads(2)

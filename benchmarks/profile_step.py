@@ -71,7 +71,7 @@ def profile(measure: str, batch: int, tokens: int, n_iters: int = 6) -> dict:
         return sum(v[3] for (path, _, func), v in stats.items() if func == name and module in path)
 
     total = cumulative("estimators.py", "estimate")
-    forward_backward = cumulative("problem.py", "__call__")  # LossGrad: n_iters + 1 calls
+    forward_backward = cumulative("loss_grad.py", "__call__")  # LossGrad: n_iters + 1 calls
     calls = n_iters + 1
     row = {
         "measure": measure,

@@ -844,7 +844,7 @@ class _DetachedRead(torch.nn.Module):
 
 
 def test_gradient_written_over_its_point_is_the_gradient():
-    from geosharp.measures.problem import LossGrad
+    from geosharp.measures.backends import LossGrad
 
     case = encoder_case(dtype=torch.float64)
     case.model.eval()
@@ -863,7 +863,7 @@ def test_a_point_read_after_its_gradient_is_evaluated_again_with_separate_buffer
     version check catches it (:class:`PointOverwritten`) and Auto-PGD evaluates again
     with separate buffers: the value is that of the same function without the read."""
     from geosharp.measures.apgd import PointOverwritten
-    from geosharp.measures.problem import LossGrad
+    from geosharp.measures.backends import LossGrad
 
     def loss(model, batch):
         return model(batch)

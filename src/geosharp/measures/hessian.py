@@ -47,17 +47,16 @@ from ..params import (
     checkpoint_errors,
     evaluation_mode,
     frozen_except,
-    functional_loss,
     grad_owned,
     keeping_tensors,
 )
 from ..symmetry.pairs import Symmetries
+from .backends import choose_backend
 from .fsdp import is_sharded
 from .problem import (
     batch_seed,
     checked_loss,
     find_target,
-    float32_copies,
     geometry_of,
     label_of,
     numbered,
@@ -164,12 +163,8 @@ def hessian_trace(
         sdpa_kernel(SDPBackend.MATH),
     ):
         space = PerturbationSpace(theta, layout, target.pairs, geo, dtype=target.dtype)
-        evaluate = functional_loss(
-            model,
-            loss_fn,
-            float32_copies(model, target.named) if target.upcast else None,
-            target.narrow,
-        )
+        # a double backward: a half-precision model whole in float32
+        evaluate = choose_backend(model, target, loss_fn, first, owners=False).evaluate
         for index, batch in numbered(batches, max_batches, progress, "hessian trace", total):
             del index
             params = {n: t.detach().to(target.dtype).requires_grad_() for n, t in theta.items()}

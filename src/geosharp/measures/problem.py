@@ -3,9 +3,11 @@
 * the perturbed parameters, their pairs, layout and base point (:class:`Target`,
   :func:`find_target`), and the geometry a measure names (:func:`geometry_of`);
 * the batches (:func:`peek`, :func:`numbered`) and each batch's seed (:func:`batch_seed`);
-* the loss and its gradient at a perturbed point (:class:`LossGrad`), checked
-  (:func:`checked_loss`), in the precision asked for (:func:`autocast_for`,
-  :class:`MixedPrecision`, :func:`matmuls`) with its round-off floor (:func:`check_floor`);
+* the loss checked (:func:`checked_loss`), in the precision asked for
+  (:func:`autocast_for`, :func:`matmuls`), with its round-off floor
+  (:func:`check_floor`); how the model runs is a backend's
+  (:mod:`geosharp.measures.backends`), what one measure holds of it a
+  :class:`Measurement`;
 * what is reported of the model's symmetries (:func:`symmetry_report`, :func:`say_ignored`).
 
 :func:`~geosharp.measures.sharpness`, :func:`~geosharp.measures.hessian_trace`,
@@ -18,7 +20,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,21 +32,14 @@ from ..geometry.space import Geometry, PerturbationSpace
 from ..layout import ParameterLayout
 from ..params import (
     LossFunction,
-    checkpoint_errors,
-    computing_in_float32,
-    loss_value,
-    owning_modules,
-    require_grad,
     scalar_loss,
     usable_for_grad,
 )
 from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
-from .apgd import PointOverwritten
+from .backends import LossGrad, MixedPrecision, Widened, float32_copies  # their home
 from .fsdp import (
-    ShardedGathered,
-    ShardedModel,
     check_shardable,
     is_sharded,
     local_shards,
@@ -101,16 +96,6 @@ class NonFiniteError(FloatingPointError):
 
 def nonfinite_error(label: str, rho: float, broken: list[str]) -> None:
     raise NonFiniteError(label, rho, broken)
-
-
-@contextlib.contextmanager
-def restoring(sharded: ShardedModel | None, theta):
-    """Write ``theta`` back into a sharded model's shards at the end, also on error."""
-    try:
-        yield
-    finally:
-        if sharded is not None:
-            sharded.restore(theta)
 
 
 @contextlib.contextmanager
@@ -600,158 +585,6 @@ def checked_loss(loss: object, where: str) -> float:
     return value
 
 
-class LossGrad:
-    """Loss and gradient at a perturbed point for Auto-PGD, without parameter-sized
-    temporaries: views of the point are swapped into the model as leaves, and each
-    leaf's gradient is copied into its view of the output buffer as soon as backward
-    has accumulated it, then freed: the gradients of a training step, never held twice.
-
-    ``out`` may be ``point`` itself: the point and the gradient then share one buffer.
-    Each leaf (its own version counter over the point's memory) gets its gradient
-    written over its values once backward has accumulated it, when no gradient needs
-    them any more; a saved tensor read after that fails autograd's version check, and a
-    second accumulation is refused, both as :class:`~geosharp.measures.apgd.PointOverwritten`,
-    for the caller to evaluate again with separate buffers."""
-
-    def __init__(self, evaluate, layout: ParameterLayout, batch, autocast, mask=None, mean=None):
-        self.evaluate, self.layout = evaluate, layout
-        self.batch, self.autocast, self.mask = batch, autocast, mask
-        self.mean = mean  # the loss's mean over processes (a sharded model)
-
-    def __call__(self, point: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-        leaves, targets, filled = {}, {}, set()
-        in_place = out is point
-
-        def hook(leaf: Tensor) -> None:
-            if id(leaf) in filled:  # a second accumulation: add it
-                if in_place:
-                    raise PointOverwritten("a leaf accumulated twice")
-                targets[id(leaf)].add_(leaf.grad)
-            else:  # in place: through the leaf, whose version this advances
-                (leaf.detach() if in_place else targets[id(leaf)]).copy_(leaf.grad)
-            leaf.grad = None
-            filled.add(id(leaf))
-
-        for (name, view), target in zip(
-            self.layout.unflatten(point).items(), self.layout.unflatten(out).values()
-        ):
-            leaf = _own_version(view) if in_place else view.detach()
-            leaf.requires_grad_(True)
-            leaf.register_post_accumulate_grad_hook(hook)
-            targets[id(leaf)] = target
-            leaves[name] = leaf
-        # forward and backward with the point swapped in: a backward through activation
-        # checkpointing recomputes the forward, which must see the point too
-        holding = getattr(self.evaluate, "holding", None)
-        with holding(leaves) if holding is not None else contextlib.nullcontext():
-            with checkpoint_errors() as checkpoints:
-                with self.autocast():
-                    if holding is not None:
-                        loss = self.evaluate.loss(self.batch)
-                    else:
-                        loss = self.evaluate(leaves, self.batch)
-                loss = scalar_loss(loss)
-                require_grad(loss)
-                with _overwritten(in_place):
-                    loss.backward(inputs=list(leaves.values()))
-        unreached = [name for name, leaf in leaves.items() if id(leaf) not in filled]
-        checkpoints.refuse_unreached(unreached)
-        for name in unreached:  # parameters the loss does not reach
-            targets[id(leaves[name])].zero_()
-        if self.mask is not None:  # the entries measured; the rest stay fixed
-            out.mul_(self.mask)
-        return (loss_value(loss) if self.mean is None else self.mean(loss)), out
-
-
-def _own_version(view: Tensor) -> Tensor:
-    """A tensor over ``view``'s memory with a version counter of its own (writing it
-    advances no other view's)."""
-    alias = torch.empty(0, dtype=view.dtype, device=view.device)
-    return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
-
-
-@contextlib.contextmanager
-def _overwritten(in_place: bool):
-    """Backward's version error for a point replaced by its gradient too early, as
-    :class:`PointOverwritten`."""
-    try:
-        yield
-    except RuntimeError as err:
-        if in_place and "modified by an inplace operation" in str(err):
-            raise PointOverwritten(str(err)) from err
-        raise
-
-
-class Widened(Mapping):
-    """``{name: tensor}`` whose tensors are read in ``dtype`` on each access (the
-    unperturbed point of a half-precision model, for a float32 forward: a copy only
-    while it is used); those named in ``narrow`` in their own."""
-
-    def __init__(
-        self,
-        tensors: Mapping[str, Tensor],
-        dtype: torch.dtype,
-        narrow: Mapping[str, torch.dtype] | None = None,
-    ):
-        self.tensors, self.dtype, self.narrow = tensors, dtype, dict(narrow or {})
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self.tensors[name].to(self.narrow.get(name, self.dtype))
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-
-def float32_copies(model: nn.Module, perturbed: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """float32 copies of the model's half-precision parameters and buffers that are not
-    perturbed, swapped in beside the float32 perturbed point."""
-    skip = {n for n, _ in perturbed}
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    return {
-        n: t.detach().float()
-        for n, t in tensors
-        if n not in skip and t.dtype in (torch.float16, torch.bfloat16)
-    }
-
-
-@dataclass
-class MixedPrecision:
-    """A half-precision model measured with float32 only where the perturbation lives:
-    the modules that own perturbed parameters compute in float32 (their other
-    parameters and buffers as float32 copies, ``base``; their floating inputs cast up,
-    their outputs cast back to ``half``); the rest of the model computes in ``half``
-    on its own weights. Possible where every such module is a leaf (holds no
-    submodules): a ``Linear``, an ``Embedding``, a norm."""
-
-    owners: list[nn.Module]
-    base: dict[str, Tensor]
-    half: torch.dtype
-
-    @classmethod
-    def plan(cls, model: nn.Module, perturbed: list[tuple[str, Tensor]], half):
-        owners = owning_modules(model, perturbed)  # under each name (a tied head too)
-        if any(next(m.children(), None) is not None for m, _ in owners.values()):
-            return None  # a module with submodules: the whole model in float32 instead
-        base = {}
-        for owner, (module, attrs) in owners.items():
-            prefix = f"{owner}." if owner else ""
-            mine = {attr for attr, _ in attrs}
-            for local, t in [
-                *module.named_parameters(recurse=False),
-                *module.named_buffers(recurse=False),
-            ]:
-                if local not in mine and t.dtype == half:
-                    base[prefix + local] = t.detach().float()
-        return cls(list({id(m): m for m, _ in owners.values()}.values()), base, half)
-
-    def active(self):
-        """Inside, the owners compute in float32 (:func:`~geosharp.params.computing_in_float32`)."""
-        return computing_in_float32(self.owners, self.half)
-
-
 def autocast_for(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext
@@ -825,7 +658,7 @@ class Measurement:
     seed: int
     autocast: object
     floor_dtype: torch.dtype | None  # None: measured against float32 (autocast)
-    sharded: ShardedModel | ShardedGathered | None = None
+    backend: object = None  # how the model runs (geosharp.measures.backends)
     mask: Tensor | None = None
     callback: object = None
     steps: Progress | None = None
@@ -898,12 +731,7 @@ class Measurement:
 
     def objective(self, batch):
         """``(point, out) -> (loss, gradient into out)`` for Auto-PGD on ``batch``."""
-        if isinstance(self.sharded, ShardedGathered):
-            sharded = self.sharded
-            return LossGrad(sharded, self.layout, batch, self.autocast, mean=sharded.mean)
-        if self.sharded is not None:
-            return self.sharded.loss_grad(batch, self.autocast)
-        return LossGrad(self.evaluate, self.layout, batch, self.autocast, self.mask)
+        return self.backend.objective(self.layout, batch, self.autocast, self.mask)
 
     def loss_at(self, point: Tensor, batch) -> float:
         """The loss at the flat ``point``, without gradient."""

@@ -15,7 +15,6 @@ computed batch by batch and averaged, as in the paper.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,7 +30,6 @@ from ..params import (
     checkpointing_kept,
     evaluation_mode,
     frozen_except,
-    functional_loss,
     grad_owned,
     keeping_tensors,
 )
@@ -39,22 +37,20 @@ from ..progress import Progress
 from ..symmetry.discovery import find_symmetries
 from ..symmetry.pairs import Symmetries
 from .apgd import RESTART, APGDTrace, Iterate, gradient_dtype
+from .backends import choose_backend
 from .blocks import PER, BlockSharpness, head_entries, parameter_blocks
 from .estimators import AverageCase, BatchResult, Estimator, WorstCase
-from .fsdp import ShardedGathered, ShardedModel, is_sharded, leaf_owners
+from .fsdp import is_sharded
 from .problem import (
     FloorError,
     Measurement,
-    MixedPrecision,
     Target,
-    Widened,
     autocast_for,
     check_floor,
     check_model,
     checked_rho,
     entry_mask,
     find_target,
-    float32_copies,
     geometry_of,
     label_of,
     matmuls,
@@ -63,7 +59,6 @@ from .problem import (
     peek,
     process_group,
     refuse_legacy,
-    restoring,
     symmetry_report,
 )
 
@@ -251,21 +246,16 @@ def sharpness(
         model, geo, parameters, symmetries, probe=(first, loss_fn), strict=strict,
         unsupported=(entries, distributed),
     )  # fmt: skip
-    mixed = (
-        MixedPrecision.plan(model, target.halves, target.half)
-        if target.upcast and target.shards is None and autocast_dtype is None
-        else None
-    )
-    sharded = _sharded(model, target, loss_fn, first)
+    backend = choose_backend(model, target, loss_fn, first, autocast_dtype)
     # the precision of the rest of a model measured in float32 where it is perturbed
-    half = mixed.half if mixed is not None else getattr(sharded, "half", None)
+    half = backend.half
     settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
-    if sharded is not None:
+    if backend.point is not None:
         settings["sharded"] = torch.distributed.get_world_size()
-        settings["sharded_point"] = sharded.point
-    shown = (torch.distributed.get_rank() if sharded is not None else rank) == 0
+        settings["sharded_point"] = backend.point
+    shown = (torch.distributed.get_rank() if backend.point is not None else rank) == 0
     n_batches = total if max_batches is None or total is None else min(total, max_batches)
     steps = Progress(
         total=None if n_batches is None else -(-n_batches // world) * estimator.evaluations,
@@ -274,19 +264,12 @@ def sharpness(
     records: list[BatchResult] = []
     with (
         evaluation_mode(model),
-        # no gradient for what is not perturbed
-        # (a sharded model whose point is gathered: none; the point's slices get them)
-        frozen_except(
-            model, [] if isinstance(sharded, ShardedGathered) else [n for n, _ in target.named]
-        ),
+        frozen_except(model, backend.trained(target)),  # no gradient for the rest
         matmuls(target.device, matmul_precision, settings),
-        restoring(sharded, target.theta),
-        mixed.active() if mixed is not None else contextlib.nullcontext(),
+        backend.active(),  # its owners in float32, its shards restored at the end
         steps,  # the bar is cleared even when a batch raises
     ):
-        m = _measurement(
-            model, loss_fn, target, geo, rho, seed, mixed, sharded, autocast_dtype, half
-        )
+        m = _measurement(model, backend, target, geo, rho, seed, autocast_dtype)
         settings["checkpointing"] = checkpointing_kept(model, lambda: m.evaluate(m.theta, first))
         m.mask = None if entries is None else entry_mask(m.space, target.layout, entries)
         m.steps = steps if steps.enabled else None
@@ -301,42 +284,6 @@ def sharpness(
 
         records = gather_in_order(records, key=lambda r: r.index)
     return _result(records, geo, estimator, rho, settings, target, nonfinite, strict)
-
-
-def _sharded(model, target: Target, loss_fn, batch) -> ShardedModel | ShardedGathered | None:
-    """The loss of a sharded model at a point: gathered from the measure's slices where
-    the owners of the perturbed parameters are leaf modules (in float32 beside
-    half-precision shards) and the loss reads those parameters nowhere else (checked
-    on ``batch``; a float32 model whose check cannot run is written into, a
-    half-precision one measured with a warning), else written into its shards
-    (``target.theta`` then becomes a flat copy of them; refused for half-precision
-    shards); ``None`` if not sharded."""
-    if target.shards is None:
-        return None
-    if target.upcast or leaf_owners(model, target.named) is None:
-        half = target.half
-        gathered = ShardedGathered(model, target.named, target.shards, loss_fn, half)
-        if gathered.checkable:
-            elsewhere = gathered.read_elsewhere(Widened(target.theta, target.dtype), batch)
-            if elsewhere is None:
-                return gathered
-            if target.upcast:
-                raise UsageError(
-                    f"{elsewhere} is read outside the forward of the module that holds it "
-                    "(by a module above it, or by the loss), where a half-precision sharded "
-                    "model cannot be given its float32 perturbation; compute with it through "
-                    "its module, leave it out (parameters=...), or shard float32 parameters"
-                )
-        elif target.upcast:  # no other way to measure half-precision shards: said so
-            warn_user(
-                "this torch's FSDP2 keeps its parameter groups where geosharp cannot read "
-                "them: a perturbed weight read outside its module's forward (a tied head "
-                "written by hand) is not checked for, and would be read unperturbed"
-            )
-            gathered.point = "gathered, reads outside the owners not checked"
-            return gathered
-    target.theta = target.local_flat()
-    return ShardedModel(model, target.named, target.local, target.layout, loss_fn)
 
 
 def _checked_estimator(estimator: Estimator | None) -> Estimator:
@@ -413,38 +360,24 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
     )
 
 
-def _measurement(
-    model, loss_fn, target: Target, geo, rho, seed, mixed, sharded, autocast_dtype, half
-) -> Measurement:
-    """The :class:`Measurement` of ``target``: its space, and its loss on the model in
-    the precision asked for (a half-precision model's weights read in float32 where it
-    is measured in float32; under autocast the floor is measured against float32)."""
+def _measurement(model, backend, target: Target, geo, rho, seed, autocast_dtype) -> Measurement:
+    """The :class:`Measurement` of ``target``: its space, and its loss through
+    ``backend`` in the precision asked for (under autocast the floor is measured
+    against float32)."""
     space = PerturbationSpace(
         target.theta, target.layout, target.pairs, geo, shards=target.shards,
         dtype=target.dtype,
     )  # fmt: skip
-    theta = target.theta
-    if isinstance(sharded, ShardedGathered):
-        evaluate, theta = sharded.evaluate, Widened(theta, target.dtype)
-    elif sharded is not None:
-        evaluate, theta = sharded.evaluate, target.layout.unflatten(theta)
-    else:
-        base = mixed.base if mixed is not None else None
-        if target.upcast or target.narrow:  # each read in the dtype it is evaluated in
-            theta = Widened(theta, target.dtype, target.narrow)
-            if mixed is None and target.upcast:
-                base = float32_copies(model, target.named)
-        evaluate = functional_loss(model, loss_fn, base, target.narrow)
     # the rest of a half-precision model computes in its own precision, ``half``; a
     # parameter narrower than the perturbation's dtype computes in its own
-    floor_dtype = half or max(
+    floor_dtype = backend.half or max(
         [target.dtype, *target.narrow.values()], key=lambda d: torch.finfo(d).eps
     )
     return Measurement(
-        evaluate, space, target.layout, theta, rho, seed,
+        backend.evaluate, space, target.layout, backend.theta, rho, seed,
         autocast_for(target.device, autocast_dtype),
-        None if autocast_dtype is not None else floor_dtype, sharded,
-        grad_dtype=half,  # the gradient in the model's precision, as its training step's
+        None if autocast_dtype is not None else floor_dtype, backend,
+        grad_dtype=backend.half,  # the gradient in the model's precision, as its training step's
         model=model,
     )  # fmt: skip
 

@@ -631,19 +631,33 @@ _NONLINEAR = {
     "var", "std", "norm", "max", "min", "amax", "amin", "logsumexp", "glu", "prod",
     "var_mean", "std_mean", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
     "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "kl_div", "conv_transpose1d", "conv_transpose2d",
-    "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter", "scatter_",
-    "index_copy", "index_copy_", "index_put", "index_put_", "embedding_bag", "topk",
-    "sort", "kthvalue", "median", "cummax", "cummin", "cumprod", "max_pool1d",
-    "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-    "interpolate", "maximum", "minimum", "fmax", "fmin", "hypot", "atan2", "lerp",
+    "binary_cross_entropy_with_logits", "kl_div", "embedding_bag", "topk", "sort",
+    "kthvalue", "median", "cummax", "cummin", "cumprod", "max_pool1d", "max_pool2d",
+    "maximum", "minimum", "fmax", "fmin", "hypot", "atan2", "lerp",
 }  # fmt: skip
 
 
 @family("nonlinear", _NONLINEAR)
 def _nonlinear(tracer: Tracer, op: Op) -> None:
-    """Reductions across features, losses, sorts, pooling, scatters: certainly not
-    linear in the features that enter (their ids are lost)."""
+    """Reductions across features, losses, sorts, max-pooling: certainly not linear in
+    the features that enter (their ids are lost)."""
+    tracer.generic(op, certain=True)
+
+
+_UNFOLLOWED = {
+    "conv_transpose1d", "conv_transpose2d", "avg_pool1d", "avg_pool2d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "interpolate", "index_add", "index_add_",
+    "scatter_add", "scatter_add_", "scatter", "scatter_", "index_copy", "index_copy_",
+    "index_put", "index_put_",
+}  # fmt: skip
+
+
+@family("unfollowed linear", _UNFOLLOWED)
+def _unfollowed(tracer: Tracer, op: Op) -> None:
+    """Linear maps the trace does not read into (transposed convolutions, average
+    pooling, interpolation, writes and sums over positions): their outputs mix
+    positions or features in ways no rule here follows, so the ids that enter are lost,
+    as through a nonlinear op, and a pair whose features pass is not claimed."""
     tracer.generic(op, certain=True)
 
 

@@ -1,0 +1,62 @@
+"""A half-precision model measured in float32 only where the perturbation lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...params import computing_in_float32, functional_loss, owning_modules
+from .base import Backend
+from .loss_grad import Widened
+
+__all__ = ["Float32Owners", "MixedPrecision"]
+
+
+class Float32Owners(Backend):
+    """The modules that own perturbed parameters compute in float32, the rest of the
+    model in its own precision on its own weights (:class:`MixedPrecision`)."""
+
+    def __init__(self, model, loss_fn, target, plan: MixedPrecision):
+        theta = Widened(target.theta, target.dtype, target.narrow)
+        super().__init__(functional_loss(model, loss_fn, plan.base, target.narrow), theta)
+        self.plan, self.half = plan, plan.half
+
+    def active(self):
+        return self.plan.active()
+
+
+@dataclass
+class MixedPrecision:
+    """A half-precision model measured with float32 only where the perturbation lives:
+    the modules that own perturbed parameters compute in float32 (their other
+    parameters and buffers as float32 copies, ``base``; their floating inputs cast up,
+    their outputs cast back to ``half``); the rest of the model computes in ``half``
+    on its own weights. Possible where every such module is a leaf (holds no
+    submodules): a ``Linear``, an ``Embedding``, a norm."""
+
+    owners: list[nn.Module]
+    base: dict[str, Tensor]
+    half: torch.dtype
+
+    @classmethod
+    def plan(cls, model: nn.Module, perturbed: list[tuple[str, Tensor]], half):
+        owners = owning_modules(model, perturbed)  # under each name (a tied head too)
+        if any(next(m.children(), None) is not None for m, _ in owners.values()):
+            return None  # a module with submodules: the whole model in float32 instead
+        base = {}
+        for owner, (module, attrs) in owners.items():
+            prefix = f"{owner}." if owner else ""
+            mine = {attr for attr, _ in attrs}
+            for local, t in [
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            ]:
+                if local not in mine and t.dtype == half:
+                    base[prefix + local] = t.detach().float()
+        return cls(list({id(m): m for m, _ in owners.values()}.values()), base, half)
+
+    def active(self):
+        """Inside, the owners compute in float32 (:func:`~geosharp.params.computing_in_float32`)."""
+        return computing_in_float32(self.owners, self.half)
