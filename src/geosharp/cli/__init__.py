@@ -1,7 +1,7 @@
 """Command-line interface: one tree of commands, every option shown by ``--help``.
 
 ``geosharp demo | measure | symmetries``, and the commands other installed packages add
-through the entry-point group ``geosharp.cli.commands`` (the research studies of the repository,
+through the entry-point group ``geosharp.commands`` (the research studies of the repository,
 ``studies/``, add ``study`` and ``zoo``). A user error
 (bad argument, missing file, data that does not fit the model) prints one line
 ``geosharp: error: ...`` naming the problem and the fix, and exits with status 2;

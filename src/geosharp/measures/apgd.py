@@ -220,6 +220,7 @@ def auto_pgd(
     search = _Search(loss_grad, space, rho, callback, keep_best_gradient, grad_dtype)
     search.start(xi0)
     schedule = _StepSize(rho, n_iters, search.best_value)
+    search.trace.step_sizes.append(schedule.eta)
     for i in range(n_iters):
         schedule.count(search.iterate(i, momentum if i > 0 else 1.0, schedule.eta))
         reduced = schedule.reduce(i + 1, search.best_value, search.improved)
@@ -325,7 +326,6 @@ class _Search:
         self.improved = torch.ones((), dtype=torch.bool, device=xi.device)  # current is best
         self.best_sq, self.xi, self.xi_prev = self.ball.xx, xi, xi
         self.trace.losses, self.trace.best = [self.value], [self.best_value]
-        self.trace.step_sizes.append(2.0 * self.ball.rho)
 
     def iterate(self, i: int, a: float, eta: float) -> Tensor:
         """Step with momentum ``a`` and size ``eta`` and evaluate (or evaluate the best

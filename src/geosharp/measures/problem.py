@@ -645,25 +645,32 @@ def _wider(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 @dataclass
 class Measurement:
-    """One measure set up on a model, for its estimator's per-batch estimates: the loss
-    ``evaluate(params, batch)`` in its precision (``autocast``), the perturbation space
-    and radius, the entries measured (``mask``), the seed, and the progress and callback
-    of each evaluation."""
+    """One measure set up on a model, for its estimator's per-batch estimates: how the
+    model runs (``backend``: the loss ``evaluate(params, batch)`` and the base point
+    ``theta`` as it reads it, :mod:`geosharp.measures.backends`) in its precision
+    (``autocast``), the perturbation space and radius, the entries measured (``mask``),
+    the seed, and the progress and callback of each evaluation."""
 
-    evaluate: object
+    backend: object
     space: PerturbationSpace
     layout: ParameterLayout
-    theta: dict[str, Tensor] | Tensor
     rho: float
     seed: int
     autocast: object
     floor_dtype: torch.dtype | None  # None: measured against float32 (autocast)
-    backend: object = None  # how the model runs (geosharp.measures.backends)
     mask: Tensor | None = None
     callback: object = None
     steps: Progress | None = None
     grad_dtype: torch.dtype | None = None  # a half-precision model's, offered to Auto-PGD
     model: nn.Module | None = None  # whose outputs' precision the floor reads
+
+    @property
+    def evaluate(self):
+        return self.backend.evaluate
+
+    @property
+    def theta(self):
+        return self.backend.theta
 
     def unperturbed(self, batch) -> tuple[float, float]:
         """The loss at ``theta`` and its round-off floor: ``|L - L_float32|`` under

@@ -374,9 +374,8 @@ def _measurement(model, backend, target: Target, geo, rho, seed, autocast_dtype)
         [target.dtype, *target.narrow.values()], key=lambda d: torch.finfo(d).eps
     )
     return Measurement(
-        backend.evaluate, space, target.layout, backend.theta, rho, seed,
-        autocast_for(target.device, autocast_dtype),
-        None if autocast_dtype is not None else floor_dtype, backend,
+        backend, space, target.layout, rho, seed, autocast_for(target.device, autocast_dtype),
+        None if autocast_dtype is not None else floor_dtype,
         grad_dtype=backend.half,  # the gradient in the model's precision, as its training step's
         model=model,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The studies' commands, added to the ``geosharp`` command line through the entry-point
-group ``geosharp.cli.commands``: ``geosharp study {diagonal,toy,paper,pilot}`` and
+group ``geosharp.commands``: ``geosharp study {diagonal,toy,paper,pilot}`` and
 ``geosharp zoo``. Each study module has ``DESCRIPTION``, ``add_arguments(parser)`` and
 ``run(args)``."""
 
