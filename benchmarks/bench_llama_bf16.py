@@ -249,6 +249,22 @@ def sharded_one(
     return row if rank == 0 else None
 
 
+FLOAT32 = " (float32 products)"
+"""A row's suffix: the perturbed layers' products in float32, as before they were split."""
+SPLIT = " (split products)"
+"""A row's suffix: the perturbed layers' products split into bfloat16 parts, also where
+the device returns half-precision products (this CPU)."""
+
+
+def _products(mode: str) -> str:
+    """``mode`` without its suffix (:data:`FLOAT32`, :data:`SPLIT`), the products set
+    as it says (by the device where it has none)."""
+    from geosharp.measures.backends import split
+
+    split.ENABLED = True if mode.endswith(SPLIT) else False if mode.endswith(FLOAT32) else None
+    return mode.removesuffix(FLOAT32).removesuffix(SPLIT)
+
+
 def one(mode: str, tokens: int, kept_gradient: bool = False, layers: int | None = None) -> dict:
     import warnings
 
@@ -259,6 +275,7 @@ def one(mode: str, tokens: int, kept_gradient: bool = False, layers: int | None 
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
+    named, mode = mode, _products(mode)
     model, ids, attention = _model(tokens, layers)
     sizes = dict(model.named_parameters())
     perturbed = sum(sizes[n].numel() for n in attention)
@@ -267,7 +284,7 @@ def one(mode: str, tokens: int, kept_gradient: bool = False, layers: int | None 
     row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded)
     row.update(restart=rule_name(kept_gradient))
-    row.update(layers=model.config.num_hidden_layers)
+    row.update(layers=model.config.num_hidden_layers, mode=named)
     if mode == "step":
         for n, p in model.named_parameters():
             p.requires_grad_(n in attention)
@@ -464,7 +481,10 @@ def main() -> None:
     if args.fsdp:
         launcher, distributed = torchrun(29650)
         env.update(distributed)
-    for mode in ("step", "adaptive-attn", "geodesic-inv-attn"):
+    modes = ["step", "adaptive-attn", "geodesic-inv-attn"]
+    if not args.fsdp:  # side by side: as the CPU runs them (float32), and split
+        modes[1:] = [m + s for m in modes[1:] for s in ("", SPLIT)]
+    for mode in modes:
         done = subprocess.run(
             [*launcher, __file__, "--one", mode, "--tokens", str(args.tokens),
              *(["--kept-gradient"] if args.kept_gradient else []),
@@ -486,7 +506,7 @@ def main() -> None:
         r["buffers_beyond_step"] = (r["peak_growth_mib"] - step["peak_growth_mib"]) / vector_mib
         r["step_over_forward_backward"] = r["seconds"] / step["seconds"]
         print(
-            f"{r['mode']:<18} {r['parameters'] / 1e9:.2f}B parameters, "
+            f"{r['mode']:<37} {r['parameters'] / 1e9:.2f}B parameters, "
             f"{r['perturbed'] / 1e6:.0f}M perturbed, {r['tokens']} tokens: peak grew "
             f"{r['peak_growth_mib']:.0f} MiB over the loaded model "
             f"({r['buffers_beyond_step']:.2f} float32 vectors of the perturbed beyond the step), "

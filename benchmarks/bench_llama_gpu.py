@@ -14,11 +14,13 @@ batch of ``--batch`` sequences of ``--tokens`` tokens. Rows, in one process per 
 training step the measure is compared with), ``step-float32-attention`` (the same with
 the attention layers in float32, as a measure computes its perturbed layers: time
 only), ``adaptive-attn`` and
-``geodesic-inv-attn`` (3 Auto-PGD steps each), and ``geodesic-inv-attn`` again with
-Hugging Face's activation checkpointing on (``--checkpointed``). Memory: the peak of
-``torch.cuda.max_memory_allocated`` over the loaded model (the allocator's reserved
-peak beside it). Time: the median gap between two evaluations of the measure (each
-timestamp after ``torch.cuda.synchronize``). Results are written after every row.
+``geodesic-inv-attn`` (3 Auto-PGD steps each; each also with its perturbed layers'
+products in float32, ``(float32 products)``, as before they were split), and
+``geodesic-inv-attn`` again with Hugging Face's activation checkpointing on
+(``--checkpointed``). Memory: the peak of ``torch.cuda.max_memory_allocated`` over
+the loaded model (the allocator's reserved peak beside it). Time: the median gap
+between two evaluations of the measure (each timestamp after
+``torch.cuda.synchronize``). Results are written after every row.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_llama_bf16 import SHAPES, build, check_perturbed, loss
+from bench_llama_bf16 import FLOAT32, SHAPES, _products, build, check_perturbed, loss
 
 
 def rows(
@@ -66,7 +68,9 @@ def rows(
         "batch": batch,
         "tokens": tokens,
     }
-    modes = ["step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"]
+    modes = ["step", "step-float32-attention"] + [
+        m + s for m in ("adaptive-attn", "geodesic-inv-attn") for s in ("", FLOAT32)
+    ]
     if peaks:  # what is allocated at each measure's peak (recording slows it: no times)
         modes = ["step", "adaptive-attn", "geodesic-inv-attn"]
     if checkpointed:
@@ -84,7 +88,7 @@ def rows(
         if mode.startswith("step"):
             row["seconds"] = _step_seconds(model, attention, ids, loss, stamp, mode != "step")
         else:
-            measure = mode.split("+")[0]
+            measure = _products(mode.split("+")[0])
             if mode.endswith("+checkpointing"):
                 model.gradient_checkpointing_enable()
             stamps, starts = [], []

@@ -512,9 +512,12 @@ def test_the_gpu_benchmark_runs_dry_and_refuses_a_partial_measure(tmp_path):
     )  # fmt: skip
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == [
-        "step", "step-float32-attention", "adaptive-attn", "geodesic-inv-attn"
+        "step", "step-float32-attention", "adaptive-attn", "adaptive-attn (float32 products)",
+        "geodesic-inv-attn", "geodesic-inv-attn (float32 products)",
     ]  # fmt: skip
-    assert all(r["value"] > 0 for r in rows[2:]) and rows[3]["pairs"] == 4
+    assert all(r["value"] > 0 for r in rows[2:]) and rows[4]["pairs"] == rows[5]["pairs"] == 4
+    # the CPU keeps float32 products by default: the forced and default rows say the same
+    assert "in parts" not in rows[2]["precision"] and rows[2]["precision"] == rows[3]["precision"]
     bench = _benchmark("bench_llama_bf16")
     partial = SimpleNamespace(settings={"n_perturbed": 10, "n_pairs": 1})
     bench.check_perturbed(SimpleNamespace(settings={"n_perturbed": 12, "n_pairs": 2}), 12)

@@ -15,8 +15,16 @@ import geosharp
 from hf_zoo import build
 
 
+@pytest.mark.parametrize("split", [None, True])
 @pytest.mark.parametrize("measure", ["geodesic-inv", "adaptive"])
-def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(measure):
+def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(
+    measure, split, monkeypatch
+):
+    """Also with the perturbed matrices' products split into bfloat16 parts (forced:
+    this CPU keeps them in float32 by default)."""
+    from geosharp.measures.backends import split as products
+
+    monkeypatch.setattr(products, "ENABLED", split)
     model, inputs, loss = build("llama")
     model = model.to(torch.bfloat16)
     reference = copy.deepcopy(model).float()  # the same bf16 weights, in float32
@@ -27,7 +35,10 @@ def test_bfloat16_llama_attention_only_equals_its_float32_copy_within_the_floor(
         warnings.simplefilter("ignore", geosharp.PrecisionWarning)
         low = geosharp.sharpness(model, [inputs], loss, measure, 0.1, **kw)
     ref = geosharp.sharpness(reference, [inputs], loss, measure, 0.1, **kw)
-    assert low.settings["precision"] == "float32 in the perturbed modules, bfloat16 elsewhere"
+    parts = "bfloat16 products of the perturbed matrices in parts, " if split else ""
+    assert low.settings["precision"] == (
+        parts + "float32 in the perturbed modules, bfloat16 elsewhere"
+    )
     assert low.settings["dtype"] == "float32"  # the perturbation itself
     # Auto-PGD's gradient: the model's width on a straight step, as its training step's
     assert low.settings["gradient"] == ("bfloat16" if measure == "adaptive" else "float32")
@@ -156,7 +167,7 @@ def test_a_half_input_is_saved_for_backward_as_itself_not_as_its_float32_copy(
         return alive, [p.grad for p in net.parameters()]
 
     alive, grads = run()
-    monkeypatch.setattr(params._UpCasts, "_top", None)  # keep the float32 copies
+    monkeypatch.setattr(params.UpCasts, "_top", None)  # keep the float32 copies
     kept, reference = run()
     assert alive == [False, False]
     assert kept == [False, False] if checkpointed else kept == [True, True]

@@ -468,16 +468,17 @@ def loss_value(loss: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def computing_in_float32(
-    modules: Iterable[nn.Module], half: torch.dtype | None, before=None, after=None
+    modules: Iterable[nn.Module], half: torch.dtype | None, before=None, after=None, copies=None
 ) -> Iterator[None]:
     """Inside, each of ``modules`` computes in float32 beside a model in ``half``: its
     floating inputs in ``half`` are cast up before its forward, its float32 outputs cast
     back after (``half=None``: nothing is cast). An input's float32 copy that backward
     needs is saved as the ``half`` tensor it came from and cast up again there (exact:
     every ``half`` value is a float32 value), not kept in float32 from forward to
-    backward. ``before(module)`` and ``after(module)``, if given, run there too. The
+    backward. ``before(module)`` and ``after(module)``, if given, run there too;
+    ``copies`` (an :class:`UpCasts`, made here if not given) knows the copies. The
     hooks are removed on exit, also on error."""
-    copies = _UpCasts()
+    copies = UpCasts() if copies is None else copies
     pushed: list[object] = []
 
     def up(x):
@@ -537,7 +538,7 @@ class _Half:
         return self.half.float().as_strided(self.size, self.stride, self.offset)
 
 
-class _UpCasts:
+class UpCasts:
     """Float32 copies of half-precision inputs, each known by its storage until it is
     freed, and the saved-tensor hooks that save such a copy, or a view of it (a linear
     layer saves its input flattened to two dimensions), as its half-precision source.
@@ -557,6 +558,15 @@ class _UpCasts:
         if key:  # not an empty tensor
             self.sources[key] = (weakref.ref(y, lambda _, k=key: self.sources.pop(k, None)), x)
         return y
+
+    def half_of(self, x: Tensor) -> Tensor | None:
+        """``x`` in the precision it was cast up from, where ``x`` is such a copy (or a
+        view of one) as it was made; else ``None``."""
+        entry = self.sources.get(x.untyped_storage().data_ptr()) if x.numel() else None
+        copy = None if entry is None else entry[0]()
+        if copy is None or copy._version != 0 or x.dtype != torch.float32:
+            return None
+        return entry[1] if x is copy else x.to(entry[1].dtype)
 
     def push(self) -> object:
         """Enter the hooks for one module's forward; returns what :meth:`pop` takes

@@ -250,6 +250,11 @@ def sharpness(
     # the precision of the rest of a model measured in float32 where it is perturbed
     half = backend.half
     settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
+    if backend.split:  # its perturbed matrices' products in half-precision parts
+        settings["precision"] = (
+            f"{str(half).removeprefix('torch.')} products of the perturbed matrices in parts, "
+            + settings["precision"]
+        )
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
     if backend.point is not None:

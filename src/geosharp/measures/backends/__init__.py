@@ -6,8 +6,9 @@ backend                     when
 :class:`WholeModel`         the model in its own dtypes (float32, float64, a
                             float32 router beside float64 weights)
 :class:`Float32Owners`      a half-precision model: the modules that own
-                            perturbed parameters in float32, the rest in its own
-                            precision
+                            perturbed parameters in float32 (their products
+                            with perturbed matrices in half-precision parts,
+                            :mod:`.split`), the rest in its own precision
 :class:`Float32Copies`      a half-precision model where that cannot apply (an
                             owner with submodules; autocast; the Hessian traces):
                             float32 copies of its weights

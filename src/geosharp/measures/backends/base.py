@@ -18,13 +18,15 @@ class Backend:
     ``evaluate(params, batch)``: the loss with ``params`` (``{name: tensor}``) swapped in;
     ``theta``: the base point as ``evaluate`` reads it. A backend also says what it
     records (``half``: the precision the rest of the model computes in, ``None`` where
-    it is the model's own; ``point``: how the point reaches a sharded model), which
+    it is the model's own; ``split``: the perturbed matrices' products in its parts;
+    ``point``: how the point reaches a sharded model), which
     parameters keep their gradients during the measure (:meth:`trained`), what holds
     while it measures (:meth:`active`), and its objective for Auto-PGD
     (:meth:`objective`)."""
 
     half = None
     point: str | None = None  # sharded backends: how the point reaches the model
+    split = False  # the perturbed matrices' products in half-precision parts
 
     def __init__(self, evaluate, theta):
         self.evaluate, self.theta = evaluate, theta
