@@ -62,7 +62,9 @@ class MixedPrecision:
         for owner, (module, attrs) in owners.items():
             prefix = f"{owner}." if owner else ""
             mine = {attr for attr, _ in attrs}
-            matrices = {a: held[n] for a, n in attrs if n in held and held[n].dim() == 2}
+            matrices = {
+                a: held[n] for a, n in attrs if held[n].dim() == 2 and held[n].dtype == half
+            }
             if matrices:
                 weights[id(module)] = matrices
             for local, t in [
