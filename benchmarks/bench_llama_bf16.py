@@ -281,10 +281,10 @@ def one(mode: str, tokens: int, kept_gradient: bool = False, layers: int | None 
     perturbed = sum(sizes[n].numel() for n in attention)
 
     loaded = _rss_mib()
-    row = {"mode": mode, "parameters": sum(p.numel() for p in model.parameters())}
+    row = {"mode": named, "parameters": sum(p.numel() for p in model.parameters())}
     row.update(perturbed=perturbed, tokens=tokens, loaded_mib=loaded)
     row.update(restart=rule_name(kept_gradient))
-    row.update(layers=model.config.num_hidden_layers, mode=named)
+    row.update(layers=model.config.num_hidden_layers)
     if mode == "step":
         for n, p in model.named_parameters():
             p.requires_grad_(n in attention)

@@ -129,7 +129,7 @@ def _float_loss(loss):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("measure", ["adaptive", "geodesic-inv-attn"])
-def test_the_split_measure_is_the_float32_path_within_the_floor(family, half, measure):
+def test_the_split_measure_is_the_float32_path_within_the_floor(family, half, measure, monkeypatch):
     """At the same perturbations (the average case, one seed), the value with the
     perturbed matrices' products split equals the float32 path's (``split.ENABLED =
     False``) within the reported floor, which is the same (the unperturbed loss is the
@@ -143,13 +143,9 @@ def test_the_split_measure_is_the_float32_path_within_the_floor(family, half, me
     kw = dict(rho=0.5, estimator=geosharp.AverageCase(n_samples=3), seed=1)
     called, out = [], {}
     for split in (True, False):
-        products.ENABLED = split  # forced: on this CPU a measure keeps float32 products
-        try:
-            with _counting(called), warnings.catch_warnings():
-                warnings.simplefilter("ignore", geosharp.PrecisionWarning)
-                out[split] = geosharp.sharpness(model, [inputs], loss, measure, **kw)
-        finally:
-            products.ENABLED = None
+        monkeypatch.setattr(products, "ENABLED", split)  # forced: this CPU keeps float32
+        with _counting(called):
+            out[split] = _measure(model, inputs, loss, measure, **kw)
         if split:
             assert called, "the split products did not run"
             n = len(called)
@@ -192,24 +188,23 @@ def test_the_float32_share_of_a_bf16_llamas_matrix_products_is_small(measure, mo
     assert split.flops[torch.bfloat16] > before.flops[torch.bfloat16]
 
 
-def test_a_measure_splits_only_where_the_device_multiplies_into_float32():
+def _measure(model, inputs, loss, measure, **kw):
+    """``sharpness(...)``, the floor's warning (random weights) kept quiet."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        return geosharp.sharpness(model, [inputs], loss, measure, **kw)
+
+
+def test_a_measure_splits_only_where_the_device_multiplies_into_float32(monkeypatch):
     """By default (``ENABLED = None``) the products are split where the device has a
     half-to-float32 product (CUDA), and kept in float32 elsewhere: the record says
     which."""
     model, inputs, loss = build("llama")
     model = model.to(torch.bfloat16)
     has = products._has_mm32(next(model.parameters()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
-        result = geosharp.sharpness(model, [inputs], _float_loss(loss), "adaptive-attn", 0.5,
-                                    geosharp.WorstCase(n_iters=1))  # fmt: skip
+    kw = dict(rho=0.5, estimator=geosharp.WorstCase(n_iters=1))
+    result = _measure(model, inputs, _float_loss(loss), "adaptive-attn", **kw)
     assert ("in parts" in result.settings["precision"]) == has
-    products.ENABLED = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", geosharp.PrecisionWarning)
-            forced = geosharp.sharpness(model, [inputs], _float_loss(loss), "adaptive-attn", 0.5,
-                                        geosharp.WorstCase(n_iters=1))  # fmt: skip
-    finally:
-        products.ENABLED = None
+    monkeypatch.setattr(products, "ENABLED", True)
+    forced = _measure(model, inputs, _float_loss(loss), "adaptive-attn", **kw)
     assert "in parts" in forced.settings["precision"]  # control: the record can say it

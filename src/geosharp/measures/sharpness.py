@@ -249,12 +249,8 @@ def sharpness(
     backend = choose_backend(model, target, loss_fn, first, autocast_dtype)
     # the precision of the rest of a model measured in float32 where it is perturbed
     half = backend.half
-    settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half)
-    if backend.split:  # its perturbed matrices' products in half-precision parts
-        settings["precision"] = (
-            f"{str(half).removeprefix('torch.')} products of the perturbed matrices in parts, "
-            + settings["precision"]
-        )
+    settings = _settings(geo, estimator, target, parameters, seed, autocast_dtype, half,
+                         backend.split)  # fmt: skip
     if entries is not None:
         settings["entries"] = {n: len(i) for n, i in entries.items()}
     if backend.point is not None:
@@ -328,7 +324,9 @@ def _radius(rho: object, geo: Geometry, parameters) -> float:
     return checked_rho(rho)
 
 
-def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, half) -> dict:
+def _settings(
+    geo, estimator, target: Target, parameters, seed, autocast_dtype, half, split=False
+) -> dict:
     """What the result records of how it was measured."""
     worst = isinstance(estimator, WorstCase)
 
@@ -339,6 +337,8 @@ def _settings(geo, estimator, target: Target, parameters, seed, autocast_dtype, 
         precision = f"{name(autocast_dtype)} autocast"
     elif half is not None:
         precision = f"float32 in the perturbed modules, {name(half)} elsewhere"
+        if split:  # the perturbed matrices' products in half-precision parts
+            precision = f"{name(half)} products of the perturbed matrices in parts, {precision}"
     else:
         precision = name(target.dtype)
     if target.narrow and autocast_dtype is None:  # a float32 router beside float64 weights

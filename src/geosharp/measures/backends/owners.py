@@ -25,7 +25,7 @@ class Float32Owners(Backend):
         theta = Widened(target.theta, target.dtype, target.narrow)
         super().__init__(functional_loss(model, loss_fn, plan.base, target.narrow), theta)
         self.plan, self.half = plan, plan.half
-        self.split = plan.split and bool(plan.weights)
+        self.split = plan.split
 
     def active(self):
         return self.plan.active()
@@ -43,9 +43,10 @@ class MixedPrecision:
     Their linear products with a perturbed matrix (``weights``: each owner's
     ``{attribute: the half-precision matrix}``) run in ``half`` instead, as the
     weight's product plus the perturbation's in half-precision parts, each
-    accumulated in float32 (:mod:`~geosharp.measures.backends.split`); ``split=False``
-    keeps them in float32 (:func:`~geosharp.measures.backends.split.wanted`, asked
-    when the plan is made: on devices that multiply half precision into float32)."""
+    accumulated in float32 (:mod:`~geosharp.measures.backends.split`). ``split``, decided
+    when the plan is made: there is such a matrix and
+    :func:`~geosharp.measures.backends.split.wanted` says so (on devices that multiply
+    half precision into float32); else they stay in float32."""
 
     owners: list[nn.Module]
     base: dict[str, Tensor]
@@ -74,14 +75,14 @@ class MixedPrecision:
                 if local not in mine and t.dtype == half:
                     base[prefix + local] = t.detach().float()
         modules = list({id(m): m for m, _ in owners.values()}.values())
-        first = next((t for _, t in perturbed if t.dtype == half), None)
-        split = first is not None and split_products.wanted(first)
+        matrix = next((t for held in weights.values() for t in held.values()), None)
+        split = matrix is not None and split_products.wanted(matrix)
         return cls(modules, base, half, weights, split)
 
     def active(self):
         """Inside, the owners compute in float32 (:func:`~geosharp.params.computing_in_float32`),
         their products with perturbed matrices split (:class:`SplitLinears`)."""
-        if not self.split or not self.weights:
+        if not self.split:
             return computing_in_float32(self.owners, self.half)
         copies = UpCasts()
         mode = SplitLinears(self.weights, copies)

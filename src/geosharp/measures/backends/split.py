@@ -16,7 +16,7 @@ accumulates in float32 and returns float32 (``torch.mm(..., out_dtype=torch.floa
 the sum is float32, rounded once by the owner's output. Backward: ``dL/dP = x^T g``,
 a training step's weight gradient; ``dL/dx = g W^T + g (2^{-e_0} D_0)^T``, two products. No float32
 copy of the weight is kept, and no float32 product is taken over it: the multiplies
-run at the half-precision rate (about 15x float32's on an H100).
+run at the half-precision rate.
 
 Two parts carry 16 (bfloat16) or 22 (float16) bits of ``D``: its error is below
 ``2^-17 |D|``, under float32's resolution of ``P`` wherever the perturbation is
@@ -205,9 +205,7 @@ class SplitLinears(TorchFunctionMode):
     def _split(self, func, args, kwargs) -> Tensor | None:
         if func is F.linear:
             x, weight, bias = (*args, *kwargs.values(), None)[:3]
-            if self._weight(weight) is None:
-                return None
-            return self._product(x, weight.t(), bias)
+            return self._product(x, weight.t(), bias) if isinstance(weight, Tensor) else None
         if func in (torch.addmm, Tensor.addmm) and not kwargs and len(args) == 3:
             return self._product(args[1], args[2], args[0])
         if func in _MATMULS and not kwargs and len(args) == 2 and args[1].dim() == 2:
