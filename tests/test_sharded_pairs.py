@@ -150,3 +150,45 @@ def test_a_shard_of_whole_heads_keeps_the_blocks_of_those_heads_only():
     assert qk.shapes[0][0] == qk.shapes[1][0] == 2 and qk.count == 4
     assert qk.heads.tolist() == [0, 1] and qk.owned.all()
     assert vo.shapes[0][0] == vo.shapes[1][0] == 4 and vo.heads is None
+
+
+@pytest.mark.parametrize("metric", [InvMetric(), InvMetric(eps=1e-3), MixMetric()], ids=str)
+def test_each_hot_path_step_sums_over_the_shards_in_one_collective(metric):
+    """On row shards each step of Auto-PGD's hot path (acceleration, pullback,
+    direction, projection) sums its ``h x h`` terms in one collective. Two processes
+    holding the same rows are the pair with its rows twice: the reduction ``2 t`` gives
+    that pair's values on those rows. The control: one call per ``h x h`` term (the
+    per-term sums before fusion, 4, 4, 2 and 2) fails the count."""
+    gen = torch.Generator().manual_seed(2)
+    G, H = (
+        torch.randn(3, 7, 4, generator=gen, dtype=torch.float64),
+        torch.randn(3, 5, 4, generator=gen, dtype=torch.float64),
+    )
+    x, u = ((torch.randn_like(G), torch.randn_like(H)) for _ in range(2))
+    calls = []
+
+    def twice(t):
+        calls.append(t.shape)
+        return 2 * t
+
+    shard = metric.state(G, H, reduce=twice)
+    whole = metric.state(torch.cat([G, G], 1), torch.cat([H, H], 1))
+    n, m = G.shape[1], H.shape[1]
+
+    def doubled(t):
+        return torch.cat([t[0], t[0]], 1), torch.cat([t[1], t[1]], 1)
+
+    steps = {
+        "accelerate": lambda s, d: s.accelerate(d(x))[0],
+        "pullback": lambda s, d: s.pullback(d(x), d(u), saved[s is whole]),
+        "direction": lambda s, d: s.direction(d(u)),
+        "proju": lambda s, d: s.proju(d(x)),
+    }
+    saved = [state.accelerate(d(x))[1] for state, d in ((shard, lambda t: t), (whole, doubled))]
+    for name, step in steps.items():
+        calls.clear()
+        got = step(shard, lambda t: t)
+        assert len(calls) == 1, (name, calls)
+        want = step(whole, doubled)
+        for a, b, rows in zip(got, want, (n, m)):
+            torch.testing.assert_close(a, b[:, :rows], rtol=1e-10, atol=1e-12)

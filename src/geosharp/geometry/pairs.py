@@ -35,6 +35,7 @@ acceleration, on the autograd hot path, runs in the tangent's dtype.
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,16 @@ class PairState(ABC):
     def _sum(self, t: Tensor) -> Tensor:
         """``t`` summed over the shards of the rows (identity on a whole pair)."""
         return t if self.reduce is None else self.reduce(t)
+
+    def _sums(self, *ts: Tensor) -> tuple[Tensor, ...]:
+        """Each per-pair ``t`` (``(B, ...)``, one dtype) summed over the shards of the
+        rows in one collective: side by side in one ``(B, k)`` buffer, taken back as
+        views of it (identity on a whole pair)."""
+        if self.reduce is None:
+            return ts
+        sizes = [math.prod(t.shape[1:]) for t in ts]  # B may be 0: no heads held here
+        total = self.reduce(torch.cat([t.reshape(t.shape[0], k) for t, k in zip(ts, sizes)], 1))
+        return tuple(part.view(t.shape) for part, t in zip(total.split(sizes, dim=1), ts))
 
     def read_from_(self, read: Callable[[str, torch.dtype | None], Tensor]) -> PairState:
         """Drop the held blocks: ``read("G" or "H", dtype)`` gives them, new, on each use
@@ -321,10 +332,8 @@ class InvState(PairState):
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return (
-            self.P_inv @ self._sum(_t(x[0]) @ self.G64)
-            - self._sum(_t(self.H64) @ x[1]) @ self.Q_inv
-        )
+        A, B = self._sums(_t(x[0]) @ self.G64, _t(self.H64) @ x[1])
+        return self.P_inv @ A - B @ self.Q_inv
 
     @property
     def h(self) -> int:
@@ -352,7 +361,7 @@ class InvState(PairState):
         # denom = 0 only where V(L) = 0 (G and H both rank deficient, eps > 0): any Y
         # solves there; take 0.
         x = _f64(xi)
-        return self._coefficient(self._sum(_t(x[0]) @ self.G64), self._sum(_t(self.H64) @ x[1]))
+        return self._coefficient(*self._sums(_t(x[0]) @ self.G64, _t(self.H64) @ x[1]))
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -362,9 +371,11 @@ class InvState(PairState):
         dtype = xi[0].dtype
         G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
-        s = self._sum
-        aG = xG @ (P_inv @ s(_t(xG) @ G + _t(G) @ xG)) - G @ (P_inv @ s(_t(xG) @ xG))
-        aH = xH @ (Q_inv @ s(_t(xH) @ H + _t(H) @ xH)) - H @ (Q_inv @ s(_t(xH) @ xH))
+        sG, qG, sH, qH = self._sums(
+            _t(xG) @ G + _t(G) @ xG, _t(xG) @ xG, _t(xH) @ H + _t(H) @ xH, _t(xH) @ xH
+        )
+        aG = xG @ (P_inv @ sG) - G @ (P_inv @ qG)
+        aH = xH @ (Q_inv @ sH) - H @ (Q_inv @ qH)
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None, rows: Rows | None = None) -> Tangent:
@@ -394,10 +405,11 @@ class InvState(PairState):
 
     def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
         G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
+        sides = ((xi[0], G, P_inv), (xi[1], H, Q_inv))
+        grams = self._sums(*(g for xx, B, _ in sides for g in (_t(xx) @ B, _t(xx) @ xx)))
         out, saved = [], []
-        for xx, B, B_inv in ((xi[0], G, P_inv), (xi[1], H, Q_inv)):
-            M = B_inv @ _sym(self._sum(_t(xx) @ B))
-            N = B_inv @ self._sum(_t(xx) @ xx)
+        for k, (xx, B, B_inv) in enumerate(sides):
+            M, N = B_inv @ _sym(grams[2 * k]), B_inv @ grams[2 * k + 1]
             out.append(torch.bmm(xx, M).baddbmm_(B, N, alpha=-1))
             saved.append(M)
         return (out[0], out[1]), tuple(saved)
@@ -407,14 +419,13 @@ class InvState(PairState):
             saved = self.accelerate(xi)[1]
         G, H, P_inv, Q_inv = self._operands(u[0].dtype)
         eye = torch.eye(G.shape[-1], dtype=G.dtype, device=G.device)
+        sides = ((xi[0], G, P_inv, u[0], saved[0]), (xi[1], H, Q_inv, u[1], saved[1]))
+        # a = x M - B N: J^T u = u M^T + B (S^T B^-1 + B^-1 S) - x (T^T B^-1 + B^-1 T),
+        # S = x^T u, T = B^T u (B^-1 symmetric).
+        sums = self._sums(*(g for xx, B, _, uu, _ in sides for g in (_t(xx) @ uu, _t(B) @ uu)))
         out = []
-        for xx, B, B_inv, uu, M in (
-            (xi[0], G, P_inv, u[0], saved[0]),
-            (xi[1], H, Q_inv, u[1], saved[1]),
-        ):
-            # a = x M - B N: J^T u = u M^T + B (S^T B^-1 + B^-1 S) - x (T^T B^-1 + B^-1 T),
-            # S = x^T u, T = B^T u (B^-1 symmetric).
-            S, T = self._sum(_t(xx) @ uu), self._sum(_t(B) @ uu)
+        for k, (xx, B, B_inv, uu, M) in enumerate(sides):
+            S, T = sums[2 * k], sums[2 * k + 1]
             K2, K1 = _sym(B_inv @ S), _sym(B_inv @ T)  # X^T B^-1 + B^-1 X, B^-1 symmetric
             g = torch.bmm(uu, eye + 0.5 * _t(M))
             out.append(g.baddbmm_(B, K2, alpha=0.5).baddbmm_(xx, K1, alpha=-0.5))
@@ -503,14 +514,13 @@ class MixState(PairState):
 
     def horizontal_residual(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return self.Q @ self._sum(_t(x[0]) @ self.G64) - self._sum(_t(self.H64) @ x[1]) @ self.P
+        A, B = self._sums(_t(x[0]) @ self.G64, _t(self.H64) @ x[1])
+        return self.Q @ A - B @ self.P
 
     def vertical_coefficient(self, xi: Tangent) -> Tensor:
         x = _f64(xi)
-        return 0.5 * (
-            self.P_inv @ self._sum(_t(self.G64) @ x[0])
-            - self._sum(_t(x[1]) @ self.H64) @ self.Q_inv
-        )
+        A, B = self._sums(_t(self.G64) @ x[0], _t(x[1]) @ self.H64)
+        return 0.5 * (self.P_inv @ A - B @ self.Q_inv)
 
     def egrad2rgrad(self, egrad: Tangent) -> Tangent:
         dtype = egrad[0].dtype
@@ -520,9 +530,11 @@ class MixState(PairState):
         dtype = xi[0].dtype
         G, H, P_inv, Q_inv = self._operands(dtype)
         xG, xH = xi
-        s = self._sum
-        aG = (G @ s(_t(xH) @ xH) - xG @ s(_t(xH) @ H + _t(H) @ xH)) @ Q_inv
-        aH = (H @ s(_t(xG) @ xG) - xH @ s(_t(xG) @ G + _t(G) @ xG)) @ P_inv
+        qH, sH, qG, sG = self._sums(
+            _t(xH) @ xH, _t(xH) @ H + _t(H) @ xH, _t(xG) @ xG, _t(xG) @ G + _t(G) @ xG
+        )
+        aG = (G @ qH - xG @ sH) @ Q_inv
+        aH = (H @ qG - xH @ sG) @ P_inv
         return aG, aH
 
     def sample(self, generator: torch.Generator | None = None, rows: Rows | None = None) -> Tangent:
@@ -541,11 +553,10 @@ class MixState(PairState):
     def accelerate(self, xi: Tangent) -> tuple[Tangent, object]:
         G, H, P_inv, Q_inv = self._operands(xi[0].dtype)
         xG, xH = xi
-        s = self._sum
-        Bm = _sym(s(_t(xH) @ H))  # xH^T H + H^T xH
-        D = _sym(s(_t(xG) @ G))
-        aG = torch.bmm(G, s(_t(xH) @ xH) @ Q_inv).baddbmm_(xG, Bm @ Q_inv, alpha=-1)
-        aH = torch.bmm(H, s(_t(xG) @ xG) @ P_inv).baddbmm_(xH, D @ P_inv, alpha=-1)
+        hH, qH, gG, qG = self._sums(_t(xH) @ H, _t(xH) @ xH, _t(xG) @ G, _t(xG) @ xG)
+        Bm, D = _sym(hH), _sym(gG)  # xH^T H + H^T xH, xG^T G + G^T xG
+        aG = torch.bmm(G, qH @ Q_inv).baddbmm_(xG, Bm @ Q_inv, alpha=-1)
+        aH = torch.bmm(H, qG @ P_inv).baddbmm_(xH, D @ P_inv, alpha=-1)
         return (aG, aH), (Bm, D)
 
     def pullback(self, xi: Tangent, u: Tangent, saved: object = None) -> Tangent:
@@ -557,9 +568,9 @@ class MixState(PairState):
         # aG = (G A - xG Bm) Q^-1, aH = (H C - xH D) P^-1 (A = xH^T xH, C = xG^T xG): with
         # E = G^T uG Q^-1, F = xG^T uG Q^-1, E' = H^T uH P^-1, F' = xH^T uH P^-1,
         # J^T u = (-uG Q^-1 Bm + xG sym(E') - G sym(F'), -uH P^-1 D + xH sym(E) - H sym(F)).
-        s = self._sum
-        E, F = s(_t(G) @ uG) @ Q_inv, s(_t(xG) @ uG) @ Q_inv
-        E2, F2 = s(_t(H) @ uH) @ P_inv, s(_t(xH) @ uH) @ P_inv
+        sums = self._sums(_t(G) @ uG, _t(xG) @ uG, _t(H) @ uH, _t(xH) @ uH)
+        E, F = sums[0] @ Q_inv, sums[1] @ Q_inv
+        E2, F2 = sums[2] @ P_inv, sums[3] @ P_inv
         gG = torch.bmm(uG, eye - 0.5 * (Q_inv @ Bm))
         gG.baddbmm_(xG, _sym(E2), alpha=0.5).baddbmm_(G, _sym(F2), alpha=-0.5)
         gH = torch.bmm(uH, eye - 0.5 * (P_inv @ D))
@@ -629,9 +640,7 @@ def _project(state: InvState | MixState, x: Tangent) -> Tangent:
     x_H + H L^T)`` as one ``baddbmm`` each."""
     dt = x[0].dtype
     G, H = state._cast("G", dt), state._cast("H", dt)
-    L = state._coefficient(
-        state._sum((_t(x[0]) @ G).double()), state._sum((_t(H) @ x[1]).double())
-    ).to(dt)
+    L = state._coefficient(*state._sums((_t(x[0]) @ G).double(), (_t(H) @ x[1]).double())).to(dt)
     return torch.baddbmm(x[0], G, L, alpha=-1), torch.baddbmm(x[1], H, _t(L))
 
 
@@ -642,8 +651,7 @@ def _direction(state: InvState | MixState, egrad: Tangent, left: str, right: str
     projection."""
     dt = egrad[0].dtype
     G, H = state._cast("G", dt), state._cast("H", dt)
-    gram_g = state._sum((_t(egrad[0]) @ G).double())
-    gram_h = state._sum((_t(H) @ egrad[1]).double())
+    gram_g, gram_h = state._sums((_t(egrad[0]) @ G).double(), (_t(H) @ egrad[1]).double())
     L = state._direction_coefficient(gram_g, gram_h).to(dt)
     A, B = state._cast(left, dt), state._cast(right, dt)
     return (

@@ -135,9 +135,13 @@ class Split:
 
     def receive(self, mine: Tensor, total: Reduce) -> Tensor:
         """The buffer of every split row, whole, from each process's entries ``mine``."""
+        return total(self.incoming(mine))
+
+    def incoming(self, mine: Tensor) -> Tensor:
+        """This process's part of :meth:`receive`'s buffer (to be summed)."""
         out = self._buffer(mine)
         out[self.mine_at_runs.expand()] = mine.to(out.dtype)
-        return total(out)
+        return out
 
     def fill_(self, block: Tensor, buffer: Tensor) -> None:
         """Write the split rows kept here into ``block`` from the ``buffer``."""
@@ -145,11 +149,16 @@ class Split:
             block.dtype
         )
 
-    def send(self, block: Tensor, total: Reduce) -> Tensor:
-        """The values for :attr:`mine` of the split rows in the keepers' ``block``."""
+    def outgoing(self, block: Tensor) -> Tensor:
+        """This process's part of the buffer that sends the split rows in the keepers'
+        ``block`` to the processes holding their entries (to be summed; :meth:`sent`)."""
         out = self._buffer(block)
         out[self.block_at_runs.expand()] = block.reshape(-1)[self.block_runs.expand()].to(out.dtype)
-        return total(out)[self.mine_at_runs.expand()]
+        return out
+
+    def sent(self, buffer: Tensor) -> Tensor:
+        """The values for :attr:`mine` in the summed buffer of :meth:`outgoing`."""
+        return buffer[self.mine_at_runs.expand()]
 
 
 def _read(params: dict[str, Tensor], names, layout: ParameterLayout, index: Tensor, out: Tensor):
@@ -231,7 +240,9 @@ class ShardedStack(StackedPairs):
             out.append(index.to(self.device))
         return out[0], out[1]
 
-    def gather(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, flat: Tensor, moved: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """The held rows' blocks of ``flat``, the cut rows' from ``moved`` (their summed
+        buffers, per cut side) or moved here."""
         if self._index is None and self._strided(flat):
             out = []
             for segs, shape in zip(self._segments, self.shapes):
@@ -242,10 +253,28 @@ class ShardedStack(StackedPairs):
                 out.append(block)
         else:
             out = [flat[i.clamp_min(0)].masked_fill_((i < 0), 0) for i in self._explicit()]
-        for block, split in zip(out, self.exchange):
-            if split is not None:
-                split.fill_(block, split.receive(flat[split.mine], self._total))
+        if moved is None:
+            moved = self._moved([split.incoming(flat[split.mine]) for _, split in self._cut()])
+        for (i, split), buffer in zip(self._cut(), moved):
+            split.fill_(out[i], buffer)
         return out[0], out[1]
+
+    def gather_many(self, flats: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """:meth:`gather` of each of ``flats``, their cut rows moved in one collective."""
+        cut = self._cut()
+        moved = iter(self._moved([s.incoming(f[s.mine]) for f in flats for _, s in cut]))
+        return [self.gather(flat, [next(moved) for _ in cut]) for flat in flats]
+
+    def _cut(self) -> list[tuple[int, Split]]:
+        """``(side, split)`` of the sides with rows cut across processes."""
+        return [(i, split) for i, split in enumerate(self.exchange) if split is not None]
+
+    def _moved(self, buffers: list[Tensor]) -> list[Tensor]:
+        """Each buffer of cut rows summed over the processes, in one collective."""
+        if len(buffers) < 2:
+            return [self._total(b) for b in buffers]
+        total = self._total(torch.cat(buffers))
+        return list(total.split([b.numel() for b in buffers]))
 
     def gather_params(self, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The blocks of ``params`` (``{name: flat local slice}``, in their dtype), read
@@ -362,9 +391,11 @@ class ShardedStack(StackedPairs):
         else:
             for pos, values in self._held(blocks):
                 flat.index_copy_(0, pos, values.to(flat.dtype))
-        for block, split in zip(blocks, self.exchange):
-            if split is not None:
-                flat.index_copy_(0, split.mine, split.send(block, self._total).to(flat.dtype))
+        cut = self._cut()
+        for (_, split), buffer in zip(
+            cut, self._moved([split.outgoing(blocks[i]) for i, split in cut])
+        ):
+            flat.index_copy_(0, split.mine, split.sent(buffer).to(flat.dtype))
         return flat
 
     def add_(self, flat: Tensor, blocks, alpha: float = 1.0) -> Tensor:
@@ -374,10 +405,11 @@ class ShardedStack(StackedPairs):
         else:
             for pos, values in self._held(blocks):
                 flat.index_add_(0, pos, values.to(flat.dtype), alpha=alpha)
-        for block, split in zip(blocks, self.exchange):
-            if split is not None:
-                sent = split.send(block, self._total).to(flat.dtype)
-                flat.index_add_(0, split.mine, sent, alpha=alpha)
+        cut = self._cut()
+        for (_, split), buffer in zip(
+            cut, self._moved([split.outgoing(blocks[i]) for i, split in cut])
+        ):
+            flat.index_add_(0, split.mine, split.sent(buffer).to(flat.dtype), alpha=alpha)
         return flat
 
     def sample(self, generator: torch.Generator | None):

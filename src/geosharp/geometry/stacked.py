@@ -107,6 +107,11 @@ class StackedPairs:
             )
         return flat[self.g_index], flat[self.h_index]
 
+    def gather_many(self, flats: Sequence[Tensor]) -> list[Blocks]:
+        """:meth:`gather` of each of ``flats`` (on row shards: their cut rows moved in one
+        collective)."""
+        return [self.gather(flat) for flat in flats]
+
     def gather_params(self, params: dict[str, Tensor]) -> Blocks:
         """The blocks read from per-parameter tensors ``params`` (name -> 1-D view)."""
         return self.read_params(params, "G"), self.read_params(params, "H")
@@ -434,12 +439,14 @@ class PairSpace:
         rows; not summed over processes)."""
         sq = torch.zeros((), dtype=torch.float64, device=grad.device)
         dots = [torch.zeros_like(sq) for _ in others]
+        ys = [y for y in others if y is not xi]
         for block, kept in zip(self.blocks, saved):
-            x = block.gather(xi)
+            x, e, *read = block.gather_many([xi, grad, *ys])
             with block.state.reading(grad.dtype) as state:  # the base blocks read once
-                g = state.pullback(x, block.gather(grad), kept)
+                g = state.pullback(x, e, kept)
+                e = None
                 for j, y in enumerate(others):
-                    dots[j] = dots[j] + _dot(x if y is xi else block.gather(y), g)
+                    dots[j] = dots[j] + _dot(x if y is xi else read.pop(0), g)
                 sq = sq + _direction_into(block, state, g, grad)
         return sq, dots
 

@@ -148,8 +148,7 @@ def _residual_terms(state: PairState) -> tuple | None:
     """``((X_1, Y_1), (X_2, Y_2))`` with ``R(V(L)) = X_1 L^T Y_1 + X_2 L^T Y_2`` for the
     metrics whose residual is known in closed form (``None``: another metric)."""
     G, H = state.G64, state.H64
-    Gg = state._sum(_t(G) @ G)
-    Hg = state._sum(_t(H) @ H)
+    Gg, Hg = state._sums(_t(G) @ G, _t(H) @ H)
     if isinstance(state, InvState):
         return (state.P_inv, Gg), (Hg, state.Q_inv)
     if isinstance(state, MixState):
