@@ -192,3 +192,54 @@ def test_each_hot_path_step_sums_over_the_shards_in_one_collective(metric):
         want = step(whole, doubled)
         for a, b, rows in zip(got, want, (n, m)):
             torch.testing.assert_close(a, b[:, :rows], rtol=1e-10, atol=1e-12)
+
+
+# the operators that wait for the device: a value read on the host, or a shape that
+# depends on values
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "item"}
+
+
+def _host_reads(step) -> list[str]:
+    """The operators of ``step()`` that read values on the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in HOST_READS:
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Reads() as mode:
+        step()
+    return mode.seen
+
+
+@pytest.mark.parametrize("group", ["GL", "rotary"])
+@pytest.mark.parametrize("metric", [InvMetric(), InvMetric(eps=1e-3), MixMetric()], ids=str)
+def test_the_pair_maths_of_a_step_never_waits_for_the_device(metric, group):
+    """Auto-PGD's hot path on a stack of pairs (acceleration, pullback, direction,
+    projection, inner product; with the rotary subgroup's restriction too) runs without
+    reading a value on the host, so that on a GPU it queues without synchronising. The
+    control: a ``.item()`` and a ``nonzero`` in the step are seen."""
+    from geosharp.geometry.subgroup import restrict_state
+
+    gen = torch.Generator().manual_seed(3)
+    G, H = (torch.randn(3, n, 4, generator=gen, dtype=torch.float32) for n in (7, 5))
+    x, u = ((torch.randn_like(G), torch.randn_like(H)) for _ in range(2))
+    state = restrict_state(metric.state(G, H), group)
+
+    def step():
+        saved = state.accelerate(x)[1]
+        with state.reading(torch.float32):
+            state.pullback(x, u, saved)
+            state.direction(u)
+            state.proju(x)
+        state.inner(x, u)
+
+    assert _host_reads(step) == []
+    seen = _host_reads(lambda: (step(), x[0].sum().item(), (u[0] > 0).nonzero()))
+    assert seen == ["_local_scalar_dense.default", "nonzero.default"]
