@@ -5,7 +5,8 @@ and compare, to check that a change of the core keeps every measured value.
     PYTHONPATH=/path/to/old/checkout/src python benchmarks/values_snapshot.py old.json
 
 ``docs/results/values_snapshot.json`` holds the values of the last check (torch 2.13.0,
-CPU, one thread): the redesign of ``sharpness()`` (estimators owning their per-batch
+transformers 5.24.0, CPU, one thread; other versions move values in their last digits):
+the redesign of ``sharpness()`` (estimators owning their per-batch
 estimate, ``geosharp.measures.problem``) left all 312 bit for bit as they were; so did
 the gradient written over its point and the half-precision weights read in place
 (issue 35). Random draws made per block (:mod:`geosharp.geometry.draws`, so that a
