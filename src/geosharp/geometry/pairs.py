@@ -408,8 +408,8 @@ class InvState(PairState):
         sides = ((xi[0], G, P_inv), (xi[1], H, Q_inv))
         grams = self._sums(*(g for xx, B, _ in sides for g in (_t(xx) @ B, _t(xx) @ xx)))
         out, saved = [], []
-        for k, (xx, B, B_inv) in enumerate(sides):
-            M, N = B_inv @ _sym(grams[2 * k]), B_inv @ grams[2 * k + 1]
+        for (xx, B, B_inv), cross, square in zip(sides, grams[::2], grams[1::2]):
+            M, N = B_inv @ _sym(cross), B_inv @ square
             out.append(torch.bmm(xx, M).baddbmm_(B, N, alpha=-1))
             saved.append(M)
         return (out[0], out[1]), tuple(saved)
@@ -424,8 +424,7 @@ class InvState(PairState):
         # S = x^T u, T = B^T u (B^-1 symmetric).
         sums = self._sums(*(g for xx, B, _, uu, _ in sides for g in (_t(xx) @ uu, _t(B) @ uu)))
         out = []
-        for k, (xx, B, B_inv, uu, M) in enumerate(sides):
-            S, T = sums[2 * k], sums[2 * k + 1]
+        for (xx, B, B_inv, uu, M), S, T in zip(sides, sums[::2], sums[1::2]):
             K2, K1 = _sym(B_inv @ S), _sym(B_inv @ T)  # X^T B^-1 + B^-1 X, B^-1 symmetric
             g = torch.bmm(uu, eye + 0.5 * _t(M))
             out.append(g.baddbmm_(B, K2, alpha=0.5).baddbmm_(xx, K1, alpha=-0.5))

@@ -253,9 +253,10 @@ class ShardedStack(StackedPairs):
                 out.append(block)
         else:
             out = [flat[i.clamp_min(0)].masked_fill_((i < 0), 0) for i in self._explicit()]
+        cut = self._cut()
         if moved is None:
-            moved = self._moved([split.incoming(flat[split.mine]) for _, split in self._cut()])
-        for (i, split), buffer in zip(self._cut(), moved):
+            moved = self._moved([split.incoming(flat[split.mine]) for _, split in cut])
+        for (i, split), buffer in zip(cut, moved):
             split.fill_(out[i], buffer)
         return out[0], out[1]
 

@@ -444,7 +444,7 @@ class PairSpace:
             x, e, *read = block.gather_many([xi, grad, *ys])
             with block.state.reading(grad.dtype) as state:  # the base blocks read once
                 g = state.pullback(x, e, kept)
-                e = None
+                e = None  # the gradient's blocks freed before the direction is made
                 for j, y in enumerate(others):
                     dots[j] = dots[j] + _dot(x if y is xi else read.pop(0), g)
                 sq = sq + _direction_into(block, state, g, grad)
