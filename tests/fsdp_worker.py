@@ -204,11 +204,21 @@ def unshard_flags(model) -> list[bool]:
 def plan(name: str) -> list[tuple[str, str]]:
     """The ``(measure, case)`` pairs a run measures: every pair on the float64 BERT; on
     the other runs every measure's worst case from zero, and random starts and the
-    average case where the pair sampler draws on sharded rows (``inv``, ``mix``)."""
+    average case where the pair sampler draws on sharded rows (``inv``, ``mix``); on
+    the 4 processes' float64 LLaMA each geometry and sampler once."""
     if name == "bert-float64":
         return [(m, c) for m in MEASURES for c in CASES if "attn" not in m or c == "worst"]
     if name.endswith("bfloat16"):  # attention-only, and the whole model (embeddings, norms)
         return [("geodesic-inv-attn", "worst"), ("adaptive-attn", "worst"), ("adaptive", "worst")]
+    if name == "llama-float64":  # 4 processes, two holding no rows of a key/value stack:
+        # each geometry once, and the pair samplers; the other measures as on 2 processes
+        return [
+            ("adaptive", "worst"),
+            ("geodesic-inv", "worst"),
+            ("geodesic-inv-attn", "worst"),
+            ("geodesic-mix", "worst-random"),
+            ("geodesic-inv", "average"),
+        ]
     out = [(m, "worst") for m in MEASURES if m != "adaptive-attn"]
     return out + [(m, c) for m in ("geodesic-inv", "geodesic-mix") for c in CASES if c != "worst"]
 
@@ -233,14 +243,14 @@ def errors():
         for m in (unsharded, plain)
     ] + [all(torch.equal(b, p.to_local()) for b, p in zip(before, plain.parameters()))]
     out.update(hand_written())
-    model, batches = bert(torch.float64, heads=2)  # a head of 8 rows over 2 processes
+    model, batches = bert(torch.float64, heads=3, hidden=12)  # its middle head cut
     default_plan(model)
     adaptive = geosharp.sharpness(
         model, batches, loss_fn, "adaptive", estimator=geosharp.WorstCase(n_iters=2)
     )
     out["adaptive needs no pairs"] = adaptive.value
     # FSDP2's default plan keeps whole rows when the heads divide over the processes
-    model, batches = bert(torch.float64, heads=4)
+    model, batches = bert(torch.float64, heads=4)  # 2 heads on each process
     symmetries = geosharp.find_symmetries(model, batches[0], loss_fn=loss_fn)
     plain = copy.deepcopy(model)
     for layer in model.bert.encoder.layer:
@@ -251,8 +261,8 @@ def errors():
         alone(plain, batches, loss_fn, "geodesic-inv", **kw),
         geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw).value,
     ]
-    # each process holds the rows of one head: the others' are not kept; random tangents
-    # are drawn for every head on every process
+    # each process holds the rows of its heads: the others' are not kept; random
+    # tangents are drawn for every head on every process
     drawn = dict(kw, estimator=geosharp.AverageCase(n_samples=2), seed=7)
     out["default plan, random"] = [
         value
@@ -282,8 +292,8 @@ def errors():
 
 
 def hand_written():
-    """Attention written by hand (not a Hugging Face model; 2 heads of 4 rows, cut over
-    4 processes by FSDP2's default plan), passed no symmetries: its pairs are traced on
+    """Attention written by hand (not a Hugging Face model; 2 heads of 4 rows, one on
+    each process under FSDP2's default plan), passed no symmetries: its pairs are traced on
     its structure on the meta device and checked on the sharded model. ``[one process
     with the pairs found on the unsharded model, sharded, pairs, verified]``; a loss
     that needs values (through NumPy) cannot be traced on the meta device: the message."""
@@ -408,6 +418,36 @@ def split_plan(name: str) -> list[tuple[str, str]]:
     return [("geodesic-inv", c) for c in CASES] + [("geodesic-mix", c) for c in CASES]
 
 
+def rotary_runs(one_head) -> dict:
+    """On 2 processes, a LLaMA with two key/value heads under FSDP2's default plan: its
+    rotary pairs' stacks cut into runs of one key/value head (``one_head``, a
+    :func:`~geosharp.geometry.stacked.max_stack`), each run on one process only, the
+    other holding no head of that stack; and whole stacks (both layers in one, a key/value
+    head's query rows held by one process). ``[one process, sharded]`` per measure, and
+    the runs' pair states that hold their blocks."""
+    from geosharp.geometry import sharded, stacked
+
+    kept, out = stacked.max_stack, {}
+    rotary, data = llama(torch.float64, kv=2)
+    found = geosharp.find_symmetries(rotary, data[0], loss_fn=loss_fn)
+    plain_rotary = copy.deepcopy(rotary)
+    default_plan(rotary)
+    held = 0
+    for measure in ("geodesic-inv", "geodesic-mix"):
+        kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
+        sharded.max_stack = stacked.max_stack = kept
+        one = alone(plain_rotary, data, loss_fn, measure, **kw)
+        for key, size in (("whole", kept), ("runs", one_head)):
+            sharded.max_stack = stacked.max_stack = size
+            held_before = HELD[0]
+            many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
+            held += (HELD[0] - held_before) if key == "runs" else 0
+            out[f"llama/{key}/{measure}"] = [one, many]
+    sharded.max_stack = stacked.max_stack = kept
+    out["llama/held"] = held
+    return out
+
+
 def split_heads():
     """Models whose heads FSDP2's default plan cuts across processes: ``[one process,
     sharded]`` per measure and case, the pairs found before sharding and on the sharded
@@ -443,27 +483,9 @@ def split_heads():
                     out[f"bert/{measure}/worst"][0],
                     geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
                 ]
-            # rotary pairs whose runs of one key/value head lie on one process only (the
-            # other holds no head of that stack)
-            rotary, data = llama(torch.float64, kv=2)
-            found = geosharp.find_symmetries(rotary, data[0], loss_fn=loss_fn)
-            plain_rotary = copy.deepcopy(rotary)
-            default_plan(rotary)
-            # and whole stacks (both layers in one, a key/value head's query rows held
-            # by one process); counted: the runs' pair states that hold their blocks
-            held = 0
-            for measure in ("geodesic-inv", "geodesic-mix"):
-                kw = dict(rho=0.05, symmetries=found, **CASES["worst"])
-                sharded.max_stack = stacked.max_stack = kept
-                one = alone(plain_rotary, data, loss_fn, measure, **kw)
-                for key, size in (("whole", kept), ("runs", one_head)):
-                    sharded.max_stack = stacked.max_stack = size
-                    held_before = HELD[0]
-                    many = geosharp.sharpness(rotary, data, loss_fn, measure, **kw).value
-                    held += (HELD[0] - held_before) if key == "runs" else 0
-                    out[f"llama/{key}/{measure}"] = [one, many]
             sharded.max_stack = stacked.max_stack = kept
-            out["llama/held"] = held
+            if torch.distributed.get_world_size() == 2:
+                out.update(rotary_runs(one_head))
         if name == "bert":  # no symmetries passed: found on the structure (meta device)
             # and checked on the sharded model, its units' weights all-gathered
             kw = dict(rho=rho, **CASES["worst"])

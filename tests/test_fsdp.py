@@ -9,7 +9,8 @@ BERT's query/key/value biases are cut by heads, so each head's bias row is held 
 one process (a zero phantom row on the other). The LLaMA also in bfloat16 (float32
 perturbations on bfloat16 shards, attention-only and whole, its 50-row embedding cut
 unevenly over 4 processes): the one-process value, and the float32 copy's within the
-floor.
+floor. What needs no more than 2 processes runs on 2 only: a 4-process gloo collective
+on 2 cores costs about 5 times a 2-process one.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ RUNS = {
         "checkpointed",
         "split",
         "sam:bert-float64",
+        "errors",
     ],
-    4: ["errors", "llama-float64", "llama-bfloat16", "split", "sam:llama-float64"],
+    # what needs more than 2 processes: heads cut over more than 2, processes holding no
+    # rows of a stack, an embedding cut unevenly; a collective costs 5x more here
+    4: ["llama-float64", "llama-bfloat16", "split", "sam:llama-float64"],
 }
 
 
@@ -134,8 +138,8 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     perturbations); each cut row is kept by one process and its entries moved through a
     buffer, the positions of those entries held as runs of their rows. Every case equals
     one process (also with every stack cut into runs of one head,
-    :func:`~geosharp.geometry.stacked.max_stack`; on a LLaMA with two key/value heads
-    each such run lies on one process, the other holding none; there, on 2 processes,
+    :func:`~geosharp.geometry.stacked.max_stack`; on 2 processes, a LLaMA with two
+    key/value heads has each such run on one process, the other holding none, and
     every run reads its blocks from the shards where used, none holding a copy, even a
     run of which one side lies wholly on the other process), with the pairs found before
     sharding and on the sharded model's structure, and the shards are unchanged
@@ -159,7 +163,8 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure, case in split_plan(name):
             one, many = results[f"{name}/{measure}/{case}"]
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
-    for key in ("bert/runs", "llama/runs", "llama/whole"):  # runs: single heads
+    runs_of = ["bert/runs"] + (["llama/runs", "llama/whole"] if nproc == 2 else [])
+    for key in runs_of:  # runs: single heads
         for measure in ("geodesic-inv", "geodesic-mix"):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
@@ -184,7 +189,7 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     parameter of a module with submodules is refused. The same default plan on
     a 4-head BERT keeps whole rows and gets the one-process value, also with the pairs
     found on its structure (the same pairs as found on the unsharded model)."""
-    messages = runs[4]["results"]["errors"]
+    messages = runs[2]["results"]["errors"]
     assert "found before sharding" in messages["no symmetries"]
     assert "does not run on the meta device (RuntimeError: " in messages["no symmetries"]
     one, many, n_before, n_found, verified = messages["hand-written"]
@@ -202,7 +207,7 @@ def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):
     one, many, restored = messages["written into the shards"]
     assert abs(many - one) <= 1e-8 * abs(one) and restored
     assert messages["adaptive needs no pairs"] > 0
-    one, many = messages["default plan"]  # 4 heads on 4 processes: FSDP2's Shard(0)
+    one, many = messages["default plan"]  # 4 heads on 2 processes: FSDP2's Shard(0)
     assert abs(many - one) <= 1e-8 * abs(one)
     inv_one, inv_many, mix_one, mix_many = messages["default plan, random"]
     assert abs(inv_many - inv_one) <= 1e-8 * abs(inv_one)
