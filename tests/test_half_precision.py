@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import geosharp
+from census import alive, measure_only
 from hf_zoo import build
 
 
@@ -223,8 +224,6 @@ def test_vectors_alive_at_each_evaluation_of_a_half_model(measure, rho, dtype, f
     vectors of the perturbed beside it (``xi``, its previous and best values), where the
     point and a float32 gradient sharing one buffer made four. A geodesic step pulls
     the gradient back in float32: four float32 vectors."""
-    import gc
-
     from hf_zoo import logits_of
 
     model, inputs, _ = build("llama")
@@ -239,29 +238,19 @@ def test_vectors_alive_at_each_evaluation_of_a_half_model(measure, rho, dtype, f
     counts = []
 
     def vectors() -> dict[torch.dtype, int]:
-        gc.collect()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        seen = {t.untyped_storage().data_ptr(): t.dtype for t in tensors if t.numel() == numel}
-        return {d: list(seen.values()).count(d) for d in (torch.float32, torch.bfloat16)}
+        seen = list(alive(numel).values())
+        return {d: seen.count(d) for d in (torch.float32, torch.bfloat16)}
 
     def census(event, i, iterate):
         if event == "evaluated" and i > 0:
             counts.append(vectors())
 
-    # what lives before the measure is not the measure's: frozen, the census skips it
-    gc.collect()
-    gc.freeze()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", geosharp.PrecisionWarning)
-            result = geosharp.sharpness(
-                model, [inputs], loss, measure, rho, parameters=attention, callback=census,
-                estimator=geosharp.WorstCase(n_iters=12),
-            )  # fmt: skip
-    finally:
-        gc.unfreeze()
+    with measure_only(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", geosharp.PrecisionWarning)
+        result = geosharp.sharpness(
+            model, [inputs], loss, measure, rho, parameters=attention, callback=census,
+            estimator=geosharp.WorstCase(n_iters=12),
+        )  # fmt: skip
     assert max(c[torch.float32] for c in counts) == float32, counts
     assert max(c[torch.bfloat16] for c in counts) == half, counts
     assert result.settings["gradient"] == ("bfloat16" if half else "float32")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 import weakref
 from unittest import mock
 
@@ -24,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import geosharp
+from census import alive, measure_only
 from geosharp.geometry import Geometry, PerturbationSpace, stack_pairs
 from geosharp.geometry.pairs import InvMetric, MixMetric
 from geosharp.geometry.stacked import Pairs, PairSpace
@@ -710,33 +710,21 @@ def test_parameter_sized_vectors_alive_at_each_evaluation(measure):
     model's own tensors are not copied. The best point is the iterate itself while it is
     the best (no copy): one vector fewer until the iterate first moves past it (then a
     freed buffer is kept for reuse)."""
-    import gc
-
     case = encoder_case(dtype=torch.float32)
     numel = sum(p.numel() for p in case.model.parameters())
     counts = []
 
-    def vectors() -> set[int]:
-        gc.collect()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        return {t.untyped_storage().data_ptr() for t in tensors if t.numel() == numel}
-
-    before = vectors()  # the model's own, and what other tests left
+    before = set(alive(numel))  # the model's own, and what other tests left
 
     def census(event, i, iterate):
         if event == "evaluated" and i > 0:
-            counts.append(len(vectors() - before))
+            counts.append(len(set(alive(numel)) - before))
 
-    gc.freeze()  # what lives before the measure is not the measure's: the census skips it
-    try:
+    with measure_only():
         result = geosharp.sharpness(
             case.model, case.batches[:1], case.loss_fn, measure, 0.5, callback=census,
             estimator=geosharp.WorstCase(n_iters=8),
         )  # fmt: skip
-    finally:
-        gc.unfreeze()
     full = 4
     best = result.traces[0].best
     assert best[1] > best[0] and counts[0] == full - 1, counts  # the start, held as best
