@@ -651,7 +651,11 @@ def half_precision():
 
 def checkpointed():
     """The bfloat16 and float32 LLaMA with Hugging Face's activation checkpointing, kept
-    on during the measure, sharded and not: ``[one process, sharded, kept]``."""
+    on during the measure, sharded and not: ``[one process, sharded, kept]``; bfloat16
+    also with its perturbed products forced into parts (``bfloat16 split``, the
+    records' precision after)."""
+    from geosharp.measures.backends import split
+
     out = {}
     for dtype in ("bfloat16", "float32"):
         model, batches = llama(getattr(torch, dtype))
@@ -660,10 +664,18 @@ def checkpointed():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         fsdp.shard(model, symmetries)
         kw = dict(rho=1.0, estimator=geosharp.WorstCase(n_iters=2))
-        for measure in ("geodesic-inv-attn", "adaptive"):
-            one = alone(plain, batches, loss_fn, measure, **kw)
-            many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
-            out[f"{dtype}/{measure}"] = [one, many.value, many.settings["checkpointing"]]
+        for forced in (False, True) if dtype == "bfloat16" else (False,):
+            was, split.ENABLED = split.ENABLED, True if forced else split.ENABLED
+            try:
+                for measure in ("geodesic-inv-attn", "adaptive"):
+                    one = alone(plain, batches, loss_fn, measure, **kw)
+                    many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
+                    key = f"{dtype}{' split' if forced else ''}/{measure}"
+                    out[key] = [one, many.value, many.settings["checkpointing"]]
+                    if forced:
+                        out[key].append(many.settings["precision"])
+            finally:
+                split.ENABLED = was
     return out
 
 
@@ -702,6 +714,36 @@ def sam(name):
             moved = max(moved, float((ref[n].detach() - start[n]).abs().max()) / scale)
         out[measure] = [worst, moved]
     return out
+
+
+def split_products(model, plain, batches, measure, kw) -> dict:
+    """The measure with the perturbed matrices' products forced into bfloat16 parts
+    (``split.ENABLED``; this CPU keeps float32 products by default), sharded (around
+    the gathered point's own rounding: the call is collective) and in one process
+    (around the weight, rank 0, ``plain``): values, floors, records and the products
+    split."""
+    from geosharp.measures.backends import split
+
+    real, was, calls = split.split_product, split.ENABLED, []
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    split.split_product, split.ENABLED = counted, True
+    try:
+        many = geosharp.sharpness(model, batches, loss_fn, measure, **kw)
+        products = len(calls)
+        if plain is None:  # not rank 0
+            return {}
+        one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
+    finally:
+        split.split_product, split.ENABLED = real, was
+    return {
+        "many": many.value, "one": one.value, "floor": [many.floor, one.floor],
+        "precision": [many.settings["precision"], one.settings["precision"]],
+        "products": [products, len(calls) - products],
+    }  # fmt: skip
 
 
 def main():
@@ -747,6 +789,8 @@ def main():
             collectives = {k: COLLECTIVES[k] - v for k, v in collectives.items()}
             checked = [CHECKED[k] - checked[k] for k in checked]
             gathers = [GATHERS[k] - gathers[k] - c for k, c in zip(gathers, checked)]
+            if wide is not None and world == 2:  # collective: every rank
+                parts = split_products(model, plain if rank == 0 else None, batches, measure, kw)
             if rank != 0:  # the one-process references (and the results) are rank 0's
                 continue
             one = geosharp.sharpness(plain, batches, loss_fn, measure, **kw)
@@ -762,6 +806,8 @@ def main():
                 kw["symmetries"] = symmetries  # found on the half-precision model
                 float32 = geosharp.sharpness(wide, batches, loss_fn, measure, **kw)
                 results[f"{name}/{measure}/{case}"]["float32"] = float32.value
+                if world == 2:
+                    results[f"{name}/{measure}/{case}"]["split"] = parts
         same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
         grads = all(p.grad is None for p in model.parameters())
         flags = all(unshard_flags(model))  # FSDP gathers again, as it did

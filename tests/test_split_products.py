@@ -49,10 +49,13 @@ def test_the_parts_carry_the_perturbation_to_under_2_to_the_minus_16_of_itself(h
 
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("form", ["linear", "addmm", "matmul-t"])
-def test_a_split_product_and_its_gradients_are_the_float64_ones(half, form):
+@pytest.mark.parametrize("held", ["weight", "rounded point"])
+def test_a_split_product_and_its_gradients_are_the_float64_ones(half, form, held):
     """Forward, the input's gradient and the point's, against float64 products of the
     same values: within the half-precision output's rounding (the CPU's kernels return
-    half precision), and the point's gradient in float32 with it."""
+    half precision), and the point's gradient in float32 with it; split around the
+    weight the model holds, or (a sharded model's gathered point) around the point
+    rounded to half precision."""
     x, weight, point = _layer(half)
     bias = torch.randn(24, dtype=torch.float32)
     upcasts = geosharp.params.UpCasts()
@@ -61,7 +64,7 @@ def test_a_split_product_and_its_gradients_are_the_float64_ones(half, form):
     xin = x.clone().requires_grad_(True)
     called = []
     with _counting(called):
-        mode.points[id(leaf)] = (leaf, weight)
+        mode.points[id(leaf)] = (leaf, weight if held == "weight" else None)
         with mode:
             x32 = upcasts.up(xin)
             if form == "linear":
@@ -82,6 +85,19 @@ def test_a_split_product_and_its_gradients_are_the_float64_ones(half, form):
     assert (xin.grad.double() - xd.grad).abs().max() <= 4 * ULP[half] * xd.grad.abs().max()
     assert (leaf.grad.double() - pd.grad).abs().max() <= 2 * ULP[half] * pd.grad.abs().max()
     assert leaf.grad.dtype == torch.float32 and xin.grad.dtype == half
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_split_around_its_rounding_the_unperturbed_point_is_the_models_own_layer(half):
+    """A sharded model's gathered point split around its own rounding: at the weight
+    itself the layer is the model's own product with its bias, rounded once; control:
+    a perturbed point moves it."""
+    x, weight, point = _layer(half)
+    bias = torch.randn(24).to(half)
+    own = products.mm32(x.view(-1, 40), weight.t(), bias).view(3, 5, 24)
+    at_weight = products.split_product(x, None, weight.float().t(), bias)
+    assert torch.equal(at_weight, own)
+    assert not torch.equal(products.split_product(x, None, point.t(), bias), own)
 
 
 def test_an_input_that_is_not_a_half_copy_keeps_the_float32_product():

@@ -616,7 +616,10 @@ class ShardedGathered:
 
     A half-precision model (``half``) is measured with float32 only where the
     perturbation lives: the point's slices are float32, and the owners compute in
-    float32 (their other weights and their inputs cast up, their outputs cast back).
+    float32 (their other weights and their inputs cast up, their outputs cast back);
+    ``products``, if set (a backend's
+    :class:`~geosharp.measures.backends.split.SplitLinears`), takes their products with
+    the gathered points in half-precision parts.
 
     An FSDP2 module whose parameters are all perturbed never reads FSDP's own gathered
     copies of them: inside :meth:`holding` FSDP does not gather them, neither for the
@@ -625,6 +628,7 @@ class ShardedGathered:
     step would."""
 
     point = "gathered"  # how the point reaches the model (``settings``)
+    products = None  # the owners' products with the gathered points, if split
 
     def __init__(self, model: nn.Module, named, shards: Shards, loss_fn, half=None):
         self.model, self.loss_fn, self.half = model, loss_fn, half
@@ -665,7 +669,7 @@ class ShardedGathered:
         each forward) all-gathered (in float32 for a half-precision model); FSDP gathers
         only what the owners do not replace (``as_training``: every layer, as for a
         training step)."""
-        half, open_ = self.half, []
+        half, open_, products = self.half, [], self.products
         live: dict[int, _Gathering] = {}  # {id(a group's owners): its gathering}
 
         def before(module) -> None:
@@ -693,8 +697,12 @@ class ShardedGathered:
             hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack)
             hooks.__enter__()
             open_.append((module, saved, hooks))
+            if products is not None:
+                products.before(module)
 
         def after(module) -> None:
+            if products is not None:
+                products.after(module)
             _close(open_.pop())
             owners = self.groups[id(module)][0]
             group = live.get(id(owners))
@@ -710,7 +718,8 @@ class ShardedGathered:
             for group in unread:
                 group.unshard_in_backward = False
                 group.unshard = _no_gather  # shadows the method for this group only
-            with computing_in_float32(owners, half, before, after):
+            copies = None if products is None else products.copies
+            with computing_in_float32(owners, half, before, after, copies):
                 yield
         finally:
             while open_:  # a forward that raised

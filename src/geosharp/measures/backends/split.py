@@ -13,10 +13,16 @@ minus the weight: ``xi - Gamma(xi, xi) / 2``), ``D`` split into half-precision p
 for float16 (exact; the parts' products as large as the weight's, within its range),
 1 for bfloat16 (float32's range). Each product takes half-precision operands,
 accumulates in float32 and returns float32 (``torch.mm(..., out_dtype=torch.float32)``);
-the sum is float32, rounded once by the owner's output. Backward: ``dL/dP = x^T g``,
-a training step's weight gradient; ``dL/dx = g W^T + g (2^{-e_0} D_0)^T``, two products. No float32
-copy of the weight is kept, and no float32 product is taken over it: the multiplies
-run at the half-precision rate.
+the sum is float32, rounded once by the owner's output. Backward: ``dL/dP = x^T g``, a
+training step's weight gradient; ``dL/dx = g W^T + g (2^{-e_0} D_0)^T``, two products.
+No float32 copy of the weight is kept, and no float32 product is taken over it: the
+multiplies run at the half-precision rate.
+
+Where the model holds no whole weight (a sharded model, whose owners compute on the
+point gathered from its slices), ``W`` is the point rounded to half precision: ``P = W
++ D`` all the same, ``|D| <= 2^-8 |P|`` entrywise (bfloat16's rounding) carried by
+the parts to under float32's resolution of ``P``, and at the unperturbed point ``W``
+is the model's weight and ``D = 0``.
 
 Two parts carry 16 (bfloat16) or 22 (float16) bits of ``D``: its error is below
 ``2^-17 |D|``, under float32's resolution of ``P`` wherever the perturbation is
@@ -129,12 +135,13 @@ def _scaled(y: Tensor, scale: Tensor | None) -> Tensor:
 class _SplitProduct(torch.autograd.Function):
     """``x @ P + c`` at the point ``P`` of a weight held as ``B`` (``x``, ``B`` and the
     constant ``c`` half precision, ``P`` float32, ``B`` and ``P`` of shape ``(in,
-    out)``); float32 out."""
+    out)``; ``B = None``: ``P`` rounded to half precision, :func:`_held`); float32 out."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, base: Tensor, point: Tensor, bias: Tensor | None) -> Tensor:
-        y = mm32(x, base, bias)
-        for part, scale in _parts(base, point):
+    def forward(ctx, x: Tensor, base: Tensor | None, point: Tensor, bias: Tensor | None) -> Tensor:
+        held = _held(base, point, x.dtype)
+        y = mm32(x, held, bias)
+        for part, scale in _parts(held, point):
             y.add_(_scaled(mm32(x, part), scale))
         # the point, not its parts: the measure's own buffer, nothing more held
         ctx.save_for_backward(x, base, point)
@@ -146,6 +153,7 @@ class _SplitProduct(torch.autograd.Function):
         g = grad.to(x.dtype)
         grad_x = grad_point = None
         if ctx.needs_input_grad[0]:
+            base = _held(base, point, x.dtype)
             hi, scale = _parts(base, point, 1)[0]
             grad_x = mm32(g, base.t()).add_(_scaled(mm32(g, hi.t()), scale)).to(x.dtype)
         if ctx.needs_input_grad[2]:  # in the layout of the point's memory (no copy there)
@@ -153,13 +161,23 @@ class _SplitProduct(torch.autograd.Function):
         return grad_x, None, grad_point, None
 
 
+def _held(base: Tensor | None, point: Tensor, half: torch.dtype) -> Tensor:
+    """The weight as the model holds it, or where the model holds none whole (a sharded
+    one's point gathered from its slices) the point rounded to ``half``: ``P = B + D``
+    either way, and at the unperturbed point ``B`` is the model's weight, ``D = 0``."""
+    return point.detach().to(half) if base is None else base
+
+
 def _parts(base: Tensor, point: Tensor, parts: int = PARTS) -> list[tuple[Tensor, Tensor | None]]:
     return split(torch.sub(point.detach(), base), base.dtype, base, parts, scratch=True)
 
 
-def split_product(x: Tensor, base: Tensor, point: Tensor, bias: Tensor | None = None) -> Tensor:
+def split_product(
+    x: Tensor, base: Tensor | None, point: Tensor, bias: Tensor | None = None
+) -> Tensor:
     """``x @ point + bias`` over any leading dimensions of ``x`` (half precision),
-    computed as the module's split products (see the module), in float32. The bias
+    computed as the module's split products (see the module) around ``base`` (``None``:
+    the point rounded to half precision), in float32. The bias
     (any dtype) joins the weight's product in half precision, its remainder in float32:
     at the unperturbed point the layer is the model's own, rounded once."""
     lead = x.shape[:-1]
@@ -177,17 +195,18 @@ class SplitLinears(TorchFunctionMode):
     ``torch.addmm``, ``@``, with the point or its transpose) as :func:`split_product`,
     where the input is a float32 copy of a half-precision tensor (``copies``, a
     :class:`~geosharp.params.UpCasts`); everything else as it is. ``weights``: each
-    owner's ``{attribute: weight as the model holds it}``."""
+    owner's ``{attribute: weight as the model holds it}``, ``None`` where it holds none
+    whole (a sharded model: the point is split around its own rounding)."""
 
     def __init__(self, weights: dict[int, dict[str, Tensor]], copies):
         super().__init__()
         self.weights, self.copies = weights, copies
-        self.points: dict[int, tuple[Tensor, Tensor]] = {}  # id(point) -> (point, weight)
+        self.points: dict[int, tuple[Tensor, Tensor | None]] = {}  # id(point) -> (point, weight)
 
     def before(self, module) -> None:
         for attr, weight in self.weights.get(id(module), {}).items():
             point = getattr(module, attr)
-            if point.dtype == torch.float32 and point.shape == weight.shape:
+            if point.dtype == torch.float32 and (weight is None or point.shape == weight.shape):
                 self.points[id(point)] = (point, weight)
         if self.points:
             self.__enter__()
@@ -212,7 +231,7 @@ class SplitLinears(TorchFunctionMode):
             return self._product(args[0], args[1], None)
         return None
 
-    def _weight(self, t) -> tuple[Tensor, bool] | None:
+    def _weight(self, t) -> tuple[Tensor | None, bool] | None:
         """The held weight of the point ``t`` is of (or of whose transpose it is), and
         whether it is the transpose."""
         if not isinstance(t, Tensor):
@@ -239,7 +258,9 @@ class SplitLinears(TorchFunctionMode):
         if half is None:  # not a half-precision input: the float32 product as it was
             return None
         weight, transposed = held
-        return split_product(half, weight.t() if transposed else weight, b, bias)
+        return split_product(
+            half, weight.t() if transposed and weight is not None else weight, b, bias
+        )
 
 
 _MATMULS = (torch.matmul, torch.mm, Tensor.matmul, Tensor.mm, Tensor.__matmul__)
