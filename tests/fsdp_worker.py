@@ -408,13 +408,18 @@ SPLIT = {  # FSDP2's default plan cuts the rows of these heads over 2 and over 4
 }
 
 
-def split_plan(name: str) -> list[tuple[str, str]]:
-    """Every case on the BERT; on the LLaMA (rotary subgroup on query/key) the worst
-    case of ``inv`` from zero and the average case of ``mix`` (its sampler)."""
+def split_plan(name: str, world: int) -> list[tuple[str, str]]:
+    """Every case on the BERT on 2 processes (its middle head cut); on more (every head
+    cut, a process holding rows of two heads) each geometry's worst case and one pair
+    sampler each. On the LLaMA (rotary subgroup on query/key) the worst case of ``inv``
+    from zero and the average case of ``mix`` (its sampler)."""
     if name == "llama-bfloat16":
         return [("geodesic-inv-attn", "worst")]
     if name == "llama":
         return [("geodesic-inv", "worst"), ("geodesic-mix", "average")]
+    if world > 2:
+        return [("geodesic-inv", "worst"), ("geodesic-inv", "worst-random"),
+                ("geodesic-mix", "worst"), ("geodesic-mix", "average")]  # fmt: skip
     return [("geodesic-inv", c) for c in CASES] + [("geodesic-mix", c) for c in CASES]
 
 
@@ -461,7 +466,7 @@ def split_heads():
         plain = copy.deepcopy(model)
         default_plan(model)
         before = [p.to_local().clone() for p in model.parameters()]
-        for measure, case in split_plan(name):
+        for measure, case in split_plan(name, torch.distributed.get_world_size()):
             kw = dict(rho=rho, symmetries=symmetries, **CASES[case])
             out[f"{name}/{measure}/{case}"] = [
                 alone(plain, batches, loss_fn, measure, **kw),
@@ -486,8 +491,9 @@ def split_heads():
             sharded.max_stack = stacked.max_stack = kept
             if torch.distributed.get_world_size() == 2:
                 out.update(rotary_runs(one_head))
-        if name == "bert":  # no symmetries passed: found on the structure (meta device)
-            # and checked on the sharded model, its units' weights all-gathered
+        if name == "bert" and torch.distributed.get_world_size() == 2:  # no symmetries
+            # passed: found on the structure (meta device) and checked on the sharded
+            # model, its units' weights all-gathered
             kw = dict(rho=rho, **CASES["worst"])
             found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
             out["bert/structure"] = [found.value, found.settings["n_pairs"],

@@ -160,11 +160,10 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     key/value heads has each such run on one process, the other holding none, and
     every run reads its blocks from the shards where used, none holding a copy, even a
     run of which one side lies wholly on the other process), with the pairs found before
-    sharding and on the sharded model's structure, and the shards are unchanged
-    afterwards. Pairs found on the structure are checked on the sharded model (its
-    attention units' weights all-gathered): all verified, and a query squashed by a
-    forward hook, which the structure does not show, gets its pair refuted and
-    dropped."""
+    sharding, and the shards are unchanged afterwards. On 2 processes, pairs found on
+    the sharded model's structure are checked on the sharded model (its attention units'
+    weights all-gathered): all verified, and a query squashed by a forward hook, which
+    the structure does not show, gets its pair refuted and dropped."""
     from fsdp_worker import SPLIT, split_plan
 
     results = runs[nproc]["results"]["split"]
@@ -178,7 +177,7 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
     for name in SPLIT:
         assert results[f"{name}/unchanged"] is True
         tol = TOLERANCE["bfloat16" if "bfloat16" in name else "float64"]
-        for measure, case in split_plan(name):
+        for measure, case in split_plan(name, nproc):
             one, many = results[f"{name}/{measure}/{case}"]
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
     runs_of = ["bert/runs"] + (["llama/runs", "llama/whole"] if nproc == 2 else [])
@@ -186,12 +185,13 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
         for measure in ("geodesic-inv", "geodesic-mix"):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
-    if nproc == 2:  # no row cut: every run's pair state reads its blocks from the shards
+    if nproc == 2:
+        # no row cut: every run's pair state reads its blocks from the shards
         assert results["llama/held"] == 0
-    value, n_found, n_before, verified, unverified = results["bert/structure"]
-    assert n_found == n_before == verified == 4 and unverified == []
-    assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)
-    assert results["bert/refuted"] == [3, 3, []]  # the squashed query's pair dropped
+        value, n_found, n_before, verified, unverified = results["bert/structure"]
+        assert n_found == n_before == verified == 4 and unverified == []
+        assert value == pytest.approx(results["bert/geodesic-inv/worst"][0], rel=1e-8)
+        assert results["bert/refuted"] == [3, 3, []]  # the squashed query's pair dropped
 
 
 def test_a_sharding_the_measure_cannot_use_is_a_one_line_error(runs):

@@ -52,12 +52,12 @@ def _dense(model, batches, space):
         return sum(losses) / len(losses)
 
     with sdpa_kernel(SDPBackend.MATH):
-        hess = torch.autograd.functional.hessian(f, theta)
+        hess = torch.autograd.functional.hessian(f, theta, vectorize=True)
     grad = torch.autograd.functional.jacobian(f, theta)
     zero = torch.zeros_like(theta)
     # retr(v) = theta + v + a(v)/2 with a quadratic: <grad, a(v)> = v^T M v
     christoffel = torch.autograd.functional.hessian(
-        lambda v: 2 * torch.dot(grad, space.retr(v) - theta - v), zero
+        lambda v: 2 * torch.dot(grad, space.retr(v) - theta - v), zero, vectorize=True
     )
     return hess + christoffel / 2
 
@@ -66,7 +66,7 @@ def _covariance(space):
     """P G^-1 P^T: the covariance of the projected Gaussian probes in the metric."""
     n = space.numel
     metric = torch.autograd.functional.hessian(
-        lambda v: space.inner(v, v) / 2, torch.zeros(n, dtype=torch.float64)
+        lambda v: space.inner(v, v) / 2, torch.zeros(n, dtype=torch.float64), vectorize=True
     )
     projector = torch.stack([space.proju(e) for e in torch.eye(n, dtype=torch.float64)], 1)
     # frozen entries (theta_j = 0: the ball has no extent there) have no metric: pinv

@@ -270,6 +270,31 @@ def test_get_preset_names_the_choices():
         zoo.get_preset("vision", "seeds")
 
 
+@pytest.fixture
+def small_bert(monkeypatch):
+    """The text zoo's classifier on a 1-layer BERT 32 wide (MiniLM's vocabulary, seeded
+    random weights) in place of MiniLM: the tests that take it check the studies'
+    bookkeeping (passes, records, reports), which does not depend on the encoder; the
+    smoke zoos above and the torchrun test train MiniLM itself."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from geosharp_studies.zoo.tasks import MeanPoolClassifier
+
+    def build_model(task, hp):
+        config = BertConfig(
+            vocab_size=30522, hidden_size=32, num_hidden_layers=int(hp["layers"]),
+            num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(hp["seed"]))
+            bert = BertModel(config, add_pooling_layer=False)
+            return MeanPoolClassifier(bert, num_labels=task.classes)
+
+    monkeypatch.setattr(type(zoo.task_for("text")), "build_model", build_model)
+
+
 def _endpoint_preset():
     """The text smoke zoo with the seed population's protocol: batch vocabulary,
     baselines, a calibration target, two measurement batches."""
@@ -374,7 +399,7 @@ def test_baselines_of_an_untrained_model():
     assert out["grad_norm"] == pytest.approx(float(grad), rel=1e-5)
 
 
-def test_measurement_passes_main_grid_first(tmp_path):
+def test_measurement_passes_main_grid_first(tmp_path, small_bert):
     """The seed preset measures its grid first, then the secondary measures at the
     primary radii; a record complete for the first pass is resumed by the second."""
     preset = zoo.get_preset("text", "seeds")
@@ -501,7 +526,7 @@ def test_reach_study_leaves_out_columns_some_models_lack():
     assert reach_study(preset, one_radius) == {}  # fewer than 3 columns
 
 
-def test_star_design_population_reports_the_granulated_tau(tmp_path):
+def test_star_design_population_reports_the_granulated_tau(tmp_path, small_bert):
     """Base configurations and their one-axis variants: exact pairs, the granulated tau
     over them with a bootstrap over bases, and word dropout in training."""
     preset = dataclasses.replace(
@@ -633,7 +658,7 @@ def test_pilot_of_the_fine_tune_population(tmp_path):
     assert (root / "pilot" / "pilot-000.json").stat().st_mtime_ns == before
 
 
-def test_report_before_three_models_pass_says_so(tmp_path):
+def test_report_before_three_models_pass_says_so(tmp_path, small_bert):
     """A report while the population is being measured: no endpoints, no traceback."""
     preset = dataclasses.replace(
         _endpoint_preset(), n_models=2, secondary={}, average_case=(), traces=()
