@@ -19,7 +19,7 @@ import torch
 
 from ..errors import MissingInputError, PrecisionWarning, SymmetryWarning, UsageError
 from ..io import dumps
-from ..loading.job import BUILTIN_DATA
+from ..loading.batches import BUILTIN_DATA
 from .options import (
     add_autocast,
     add_device,
@@ -305,8 +305,8 @@ def _plan(args) -> _Plan:
     """Every check that needs no model (arguments, paths, devices, a results file to
     resume), before anything slow."""
     from ..io import fingerprint
+    from ..loading.batches import data_kind
     from ..loading.hf import resolve_checkpoint
-    from ..loading.job import data_kind
     from ..measures import HESSIAN_TRACES
 
     if args.low_memory:

@@ -22,16 +22,15 @@ from ..params import in_float32
 
 __all__ = [
     "LoadedClassifier",
-    "check_label_range",
     "check_weights",
     "classification_loss",
     "example_inputs",
     "has_tokenizer",
     "is_vision",
-    "label_ids",
     "load_causal_lm",
     "load_classifier",
     "load_config",
+    "load_image_processor",
     "load_model",
     "load_tokenizer",
     "meta_model",
@@ -298,56 +297,20 @@ def load_tokenizer(path: str | Path):
         raise UsageError(f"{path}: the tokenizer cannot be loaded ({_first_line(err)})") from None
 
 
-def check_label_range(labels: Tensor, num_labels: int) -> None:
-    """An error naming the first label outside ``[0, num_labels)`` (no check when the
-    number of classes is unknown, 0)."""
-    outside = (labels < 0) | (labels >= num_labels)
-    if num_labels and bool(outside.any()):
-        bad = int(labels[outside][0])
+def load_image_processor(path: str | Path):
+    """The checkpoint's image processor (``preprocessor_config.json``), or ``None``."""
+    if not (Path(path) / "preprocessor_config.json").is_file():
+        return None
+    AutoImageProcessor = _from_transformers("AutoImageProcessor")
+
+    try:
+        with quiet_transformers():
+            return AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # a file of the user's that transformers cannot read
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(
-            f"label {bad} is outside the model's {num_labels} classes (0 to "
-            f"{num_labels - 1}): use the labels the model was trained with"
-        )
-
-
-def class_index(label: object) -> int | None:
-    """``label`` as a class index when it is one, written in ASCII digits (``"2"``,
-    ``" -1"``); ``None`` otherwise (a class name; ``"²"`` is a digit to Python's
-    ``isdigit`` but no number ``int`` reads).
-
-    >>> class_index(" 2"), class_index("\u00b2"), class_index("cat")
-    (2, None, None)
-    """
-    key = str(label).strip()
-    digits = key[1:] if key.startswith("-") else key
-    return int(key) if digits.isascii() and digits.isdigit() else None
-
-
-def label_ids(labels: list, config, num_labels: int) -> Tensor:
-    """Integer class ids of ``labels`` (ints, digit strings, or class names of the
-    model's ``label2id``); an error when one lies outside ``[0, num_labels)``."""
-    names = {str(k).lower(): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
-    ids = []
-    for label in labels:
-        key = str(label).strip()
-        if isinstance(label, bool):
-            value = int(label)
-        elif isinstance(label, int):
-            value = label
-        elif class_index(key) is not None:
-            value = class_index(key)
-        elif key.lower() in names:
-            value = names[key.lower()]
-        else:
-            known = ", ".join(sorted(names)) or "none"
-            raise UsageError(
-                f"label {label!r} is neither a class index nor one of the model's label names "
-                f"({known})"
-            )
-        ids.append(value)
-    ids = torch.tensor(ids, dtype=torch.long)
-    check_label_range(ids, num_labels)
-    return ids
+            f"{path}/preprocessor_config.json: transformers cannot read it ({first})"
+        ) from None
 
 
 def classification_loss(model: nn.Module, batch: dict) -> Tensor:
@@ -369,17 +332,3 @@ def example_inputs(
             "input geosharp knows (token ids, pixels, audio)"
         )
     return inputs
-
-
-def image_batches_for(
-    config, images: Tensor, labels: Tensor, batch_size: int
-) -> Iterator[dict[str, Tensor]]:
-    """Resize/replicate ``(N, C, H, W)`` images in [0, 1] to the model's input format."""
-    size, channels = config.image_size, config.num_channels
-    for start in range(0, len(labels), batch_size):
-        x = images[start : start + batch_size]
-        if x.shape[-1] != size or x.shape[-2] != size:
-            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-        if x.shape[1] != channels:
-            x = x.mean(1, keepdim=True).expand(-1, channels, -1, -1)
-        yield {"pixel_values": (x - 0.5) / 0.5, "labels": labels[start : start + batch_size]}

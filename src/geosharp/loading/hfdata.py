@@ -6,7 +6,8 @@ turns files into the batches the checkpoint expects, and refuses what it cannot 
 * the task and its loss from the config (``problem_type``, ``num_labels``), as
   transformers computes it: cross-entropy, MSE for regression, binary cross-entropy
   for multi-label heads (:func:`task_loss`);
-* class folders matched to the config's label names (:func:`folder_label_ids`);
+* labels as class ids: indices, or names of the config's ``label2id``
+  (:func:`label_ids`); class folders matched to its label names (:func:`folder_label_ids`);
 * pixels through the checkpoint's own image processor (``preprocessor_config.json``:
   size, rescale, mean, std), :func:`pixel_values`;
 * texts within the tokenizer's and the model's limits, with the pad token and the
@@ -24,9 +25,8 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -39,10 +39,13 @@ __all__ = [
     "TASKS",
     "Fit",
     "causal_lm_loss",
+    "check_label_range",
+    "class_index",
     "folder_label_ids",
+    "image_batches_for",
     "is_causal_lm",
+    "label_ids",
     "lm_inputs",
-    "load_image_processor",
     "pixel_values",
     "preflight",
     "regression_targets",
@@ -215,26 +218,6 @@ def _listing(items: Sequence[str], quote: bool = True, most: int = 8) -> str:
     return "[" + ", ".join(shown) + more + "]"
 
 
-def load_image_processor(path: str | Path):
-    """The checkpoint's image processor (``preprocessor_config.json``), or ``None``."""
-    from .hf import quiet_transformers
-
-    if not (Path(path) / "preprocessor_config.json").is_file():
-        return None
-    from .hf import _from_transformers
-
-    AutoImageProcessor = _from_transformers("AutoImageProcessor")
-
-    try:
-        with quiet_transformers():
-            return AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    except Exception as err:  # a file of the user's that transformers cannot read
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(
-            f"{path}/preprocessor_config.json: transformers cannot read it ({first})"
-        ) from None
-
-
 def pixel_values(images: list, config, processor) -> tuple[Tensor, str]:
     """``(N, C, H, W)`` model inputs of PIL ``images`` and a line saying how: through
     ``processor`` (the checkpoint's image processor) if given, else resized to
@@ -250,6 +233,72 @@ def pixel_values(images: list, config, processor) -> tuple[Tensor, str]:
         f"pixels: resized to {size}x{size}, (x - 0.5) / 0.5 (the checkpoint has no "
         "preprocessor_config.json; save its image processor with it to use its own)"
     )
+
+
+def check_label_range(labels: Tensor, num_labels: int) -> None:
+    """An error naming the first label outside ``[0, num_labels)`` (no check when the
+    number of classes is unknown, 0)."""
+    outside = (labels < 0) | (labels >= num_labels)
+    if num_labels and bool(outside.any()):
+        bad = int(labels[outside][0])
+        raise UsageError(
+            f"label {bad} is outside the model's {num_labels} classes (0 to "
+            f"{num_labels - 1}): use the labels the model was trained with"
+        )
+
+
+def class_index(label: object) -> int | None:
+    """``label`` as a class index when it is one, written in ASCII digits (``"2"``,
+    ``" -1"``); ``None`` otherwise (a class name; ``"²"`` is a digit to Python's
+    ``isdigit`` but no number ``int`` reads).
+
+    >>> class_index(" 2"), class_index("\u00b2"), class_index("cat")
+    (2, None, None)
+    """
+    key = str(label).strip()
+    digits = key[1:] if key.startswith("-") else key
+    return int(key) if digits.isascii() and digits.isdigit() else None
+
+
+def label_ids(labels: list, config, num_labels: int) -> Tensor:
+    """Integer class ids of ``labels`` (ints, digit strings, or class names of the
+    model's ``label2id``); an error when one lies outside ``[0, num_labels)``."""
+    names = {str(k).lower(): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+    ids = []
+    for label in labels:
+        key = str(label).strip()
+        if isinstance(label, bool):
+            value = int(label)
+        elif isinstance(label, int):
+            value = label
+        elif class_index(key) is not None:
+            value = class_index(key)
+        elif key.lower() in names:
+            value = names[key.lower()]
+        else:
+            known = ", ".join(sorted(names)) or "none"
+            raise UsageError(
+                f"label {label!r} is neither a class index nor one of the model's label names "
+                f"({known})"
+            )
+        ids.append(value)
+    ids = torch.tensor(ids, dtype=torch.long)
+    check_label_range(ids, num_labels)
+    return ids
+
+
+def image_batches_for(
+    config, images: Tensor, labels: Tensor, batch_size: int
+) -> Iterator[dict[str, Tensor]]:
+    """Resize/replicate ``(N, C, H, W)`` images in [0, 1] to the model's input format."""
+    size, channels = config.image_size, config.num_channels
+    for start in range(0, len(labels), batch_size):
+        x = images[start : start + batch_size]
+        if x.shape[-1] != size or x.shape[-2] != size:
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+        if x.shape[1] != channels:
+            x = x.mean(1, keepdim=True).expand(-1, channels, -1, -1)
+        yield {"pixel_values": (x - 0.5) / 0.5, "labels": labels[start : start + batch_size]}
 
 
 def regression_targets(labels: Sequence) -> Tensor:
