@@ -456,8 +456,8 @@ def rotary_runs(one_head) -> dict:
 def split_heads():
     """Models whose heads FSDP2's default plan cuts across processes: ``[one process,
     sharded]`` per measure and case, the pairs found before sharding and on the sharded
-    model's structure, and whether the shards are unchanged afterwards."""
-    out = {}
+    model's structure (on 2 processes), and whether the shards are unchanged afterwards."""
+    out, world = {}, torch.distributed.get_world_size()
     del SPLIT_RUNS[:]
     CUT[:] = [0, 0]
     for name, (build, rho) in SPLIT.items():
@@ -466,7 +466,7 @@ def split_heads():
         plain = copy.deepcopy(model)
         default_plan(model)
         before = [p.to_local().clone() for p in model.parameters()]
-        for measure, case in split_plan(name, torch.distributed.get_world_size()):
+        for measure, case in split_plan(name, world):
             kw = dict(rho=rho, symmetries=symmetries, **CASES[case])
             out[f"{name}/{measure}/{case}"] = [
                 alone(plain, batches, loss_fn, measure, **kw),
@@ -489,11 +489,10 @@ def split_heads():
                     geosharp.sharpness(model, batches, loss_fn, measure, **kw).value,
                 ]
             sharded.max_stack = stacked.max_stack = kept
-            if torch.distributed.get_world_size() == 2:
+            if world == 2:
                 out.update(rotary_runs(one_head))
-        if name == "bert" and torch.distributed.get_world_size() == 2:  # no symmetries
-            # passed: found on the structure (meta device) and checked on the sharded
-            # model, its units' weights all-gathered
+        if name == "bert" and world == 2:  # no symmetries passed: found on the structure
+            # (meta device) and checked on the sharded model, its units' weights gathered
             kw = dict(rho=rho, **CASES["worst"])
             found = geosharp.sharpness(model, batches, loss_fn, "geodesic-inv", **kw)
             out["bert/structure"] = [found.value, found.settings["n_pairs"],
