@@ -423,6 +423,13 @@ def split_plan(name: str, world: int) -> list[tuple[str, str]]:
     return [("geodesic-inv", c) for c in CASES] + [("geodesic-mix", c) for c in CASES]
 
 
+def runs_measures(world: int) -> tuple[str, ...]:
+    """The geometries measured with every stack cut into runs of one head: both on 2
+    processes; on more (each run cut, a process holding two) ``inv`` (their stacks and
+    runs are the same code)."""
+    return ("geodesic-inv", "geodesic-mix") if world == 2 else ("geodesic-inv",)
+
+
 def rotary_runs(one_head) -> dict:
     """On 2 processes, a LLaMA with two key/value heads under FSDP2's default plan: its
     rotary pairs' stacks cut into runs of one key/value head (``one_head``, a
@@ -482,7 +489,7 @@ def split_heads():
                 return 1
 
             sharded.max_stack = stacked.max_stack = one_head
-            for measure in ("geodesic-inv", "geodesic-mix"):
+            for measure in runs_measures(world):
                 kw = dict(rho=rho, symmetries=symmetries, **CASES["worst"])
                 out[f"bert/runs/{measure}"] = [
                     out[f"bert/{measure}/worst"][0],

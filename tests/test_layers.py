@@ -1,7 +1,7 @@
 """The package's layers: no import cycle, and no module imports a layer above its own.
 
 Layers, bottom to top: helpers (``errors``, ``io``, ``layout``, ``params``, ``progress``,
-``distributed``, ``aliases``) -> ``symmetry`` -> ``geometry`` -> ``measures`` ->
+``distributed``, ``aliases``, ``rng``) -> ``symmetry`` -> ``geometry`` -> ``measures`` ->
 ``models`` and ``fsdp`` -> ``loading`` (checkpoints and data) -> ``training`` (SAM, the
 monitor, the Trainer callbacks) -> ``cli`` (the command line, its options, the demo
 and plots) -> the research studies, a package of their own (``studies/``, tested in
@@ -20,7 +20,7 @@ import geosharp
 ROOT = Path(geosharp.__file__).parent
 LAYERS = {"symmetry": 1, "geometry": 2, "measures": 3, "models": 4, "fsdp": 4}
 LAYERS |= {"loading": 5, "training": 6, "cli": 7}
-HELPERS = {"errors", "io", "layout", "params", "progress", "distributed", "aliases"}
+HELPERS = {"errors", "io", "layout", "params", "progress", "distributed", "aliases", "rng"}
 
 
 def module_name(path: Path) -> str:

@@ -407,6 +407,21 @@ def test_seeded_and_reproducible(small):
     assert a.per_batch != c.per_batch
 
 
+def test_a_measure_seeds_no_generator_of_a_device_that_starts_later(small, monkeypatch):
+    """The verification's fixed draws seed only the generators they restore.
+    ``torch.manual_seed`` also seeds CUDA, queued until it starts on a CPU run: the
+    caller's later GPU work would draw from the measure's seed, not the caller's."""
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeds.append)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)  # the control: the check sees a global seed
+    assert seeds == [1]
+    kw = dict(rho=0.05, estimator=geosharp.WorstCase(n_iters=2))
+    result = geosharp.sharpness(small.model, small.batches, small.loss_fn, "geodesic-inv", **kw)
+    assert result.symmetry["verified"] > 0  # the verification drew its numbers
+    assert seeds == [1]
+
+
 def test_result_fields_and_json(small):
     r = geosharp.sharpness(
         small.model, small.batches, small.loss_fn, rho=0.05, estimator=geosharp.WorstCase(n_iters=3)

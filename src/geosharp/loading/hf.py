@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from ..errors import MissingInputError, UsageError, require
 from ..params import in_float32
+from ..rng import seeded
 
 __all__ = [
     "LoadedClassifier",
@@ -262,8 +263,7 @@ def _load_auto(auto, path: Path, num_labels, dtype, seed: int) -> LoadedClassifi
     kwargs = {}
     if num_labels is not None and getattr(config, "num_labels", None) != num_labels:
         kwargs = dict(num_labels=num_labels, ignore_mismatched_sizes=True)
-    with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with quiet_transformers(), seeded(seed):
         try:
             model, info = auto.from_pretrained(
                 path, local_files_only=True, dtype=dtype, output_loading_info=True, **kwargs

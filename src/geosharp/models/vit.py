@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..params import in_float32
+from ..rng import seeded
 
 __all__ = ["accuracy_and_loss", "image_batches", "image_loss", "tiny_vit", "train_image_classifier"]
 
@@ -45,8 +46,7 @@ def tiny_vit(
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return ViTForImageClassification(config)
 
 

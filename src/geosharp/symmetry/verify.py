@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..params import evaluation_mode, plain_copy, swapped
+from ..rng import seeded
 from .groups import random_group_elements, read_block, write_block
 from .pairs import PairSpec, Verification
 
@@ -221,9 +222,7 @@ class _UnitCheck:
     def output(self, values: dict[str, Tensor]) -> list[Tensor]:
         # the same random numbers in every call: a module that draws some in eval mode
         # (ViT-MAE's masking) is compared with itself
-        devices = [t.device for t in values.values() if t.device.type == "cuda"][:1]
-        with torch.random.fork_rng(devices=devices), _Precision() as precision:
-            torch.manual_seed(0)
+        with seeded(0, (t.device for t in values.values())), _Precision() as precision:
             with swapped(self.module, values):
                 result = (
                     self.run() if self.run is not None else self.module(*self.args, **self.kwargs)
