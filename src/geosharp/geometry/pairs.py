@@ -16,9 +16,10 @@ equation (``inv``) or in closed form (``mix``); geodesics are expanded to second
 order, ``gamma(t) = (G, H) + t xi + t^2/2 (G'', H'')``.
 
 The small ``h x h`` algebra (Gram matrices, inverses, eigen-decompositions, the
-projection) runs in float64 whatever the input dtype: in float32, Gram matrices of
-weights with condition number ~1e4 already lose horizontality. The geodesic
-acceleration, on the autograd hot path, runs in the tangent's dtype.
+projection) runs in float64 whatever the input dtype: a Gram matrix squares the
+condition number of its factor, so in float32 the projection is off by more than 1e-5
+from a factor's condition number 100 and the Gram matrix is singular at 1e4. The
+geodesic acceleration, on the autograd hot path, runs in the tangent's dtype.
 
 >>> import torch
 >>> G = torch.tensor([[[2.0]]], dtype=torch.float64)  # a scalar pair (u, v) = (2, 3)
