@@ -9,7 +9,7 @@ restores.
 >>> state = torch.get_rng_state()
 >>> with seeded(0):
 ...     a = torch.rand(2)
->>> with seeded(0):
+>>> with seeded(0, [torch.device("meta")]):  # no generator there: passed over
 ...     b = torch.rand(2)
 >>> torch.equal(a, b), torch.equal(torch.get_rng_state(), state)
 (True, True)
@@ -29,8 +29,9 @@ __all__ = ["seeded"]
 def seeded(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None]:
     """Within: the global generators of the CPU and of ``devices`` seeded with ``seed``,
     the same numbers as after ``torch.manual_seed(seed)``; on exit, also on error, their
-    states are as before. No other generator is touched, now or when a device starts."""
-    devices = list(dict.fromkeys(d for d in devices if d.type != "cpu"))
+    states are as before. No other generator is touched, now or when a device starts.
+    Devices without a generator of their own (``meta``) are passed over."""
+    devices = list(dict.fromkeys(d for d in devices if _generator_module(d) is not None))
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
         for kind in dict.fromkeys(d.type for d in devices):
@@ -38,7 +39,16 @@ def seeded(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None]:
             stack.enter_context(torch.random.fork_rng(devices=on, device_type=kind))
         torch.random.default_generator.manual_seed(seed)
         for device in devices:
-            module = torch.get_device_module(device)
-            with module.device(device):
+            module = _generator_module(device)
+            on = module.device(device) if hasattr(module, "device") else contextlib.nullcontext()
+            with on:
                 module.manual_seed(seed)
         yield
+
+
+def _generator_module(device: torch.device):
+    """The ``torch.<device type>`` module that holds the device's global generator."""
+    if device.type in ("cpu", "meta"):
+        return None
+    module = getattr(torch, device.type, None)
+    return module if hasattr(module, "get_rng_state") else None
