@@ -98,7 +98,7 @@ class Block:
     [[[0, 4], [1, 5]], [[8, 12], [9, 13]]]
     """
 
-    __slots__ = ("_index", "_parts", "param", "shape")
+    __slots__ = ("_index", "_parts", "_strides", "param", "shape")
 
     def __init__(self, param: str, index: Tensor):
         if not isinstance(index, Tensor) or index.dim() != 3 or index.dtype != torch.long:
@@ -187,22 +187,28 @@ class Block:
                 [[ 8., 12.],
                  [ 9., 13.]]])
         """
-        if self._parts is None or not tensor.is_contiguous():
+        if not tensor.is_contiguous():
             return None
-        steps = [_step(t) for t in self._parts]
-        if any(s is None or s < 0 for s in steps):
+        strides = self._strided()
+        if strides is None:
             return None
-        # distinct positions: each axis steps past everything the smaller ones cover
-        covered = 0
-        for size, step in sorted(zip(self.shape, steps), key=lambda a: a[1]):
-            if size > 1:
-                if step <= covered:
-                    return None
-                covered += (size - 1) * step
-        offset = sum(int(t[0]) for t in self._parts)
-        if offset < 0 or offset + covered >= tensor.numel():
+        steps, offset, covered = strides
+        if offset + covered >= tensor.numel():
             return None
         return tensor.as_strided(self.shape, steps, tensor.storage_offset() + offset)
+
+    def _strided(self) -> tuple[tuple[int, ...], int, int] | None:
+        """``(steps, offset, last position - offset)`` of a separable block whose axes
+        step evenly forward without overlap, else ``None``; worked out on first use."""
+        try:
+            return self._strides
+        except AttributeError:  # not worked out yet
+            pass
+        strides = None
+        if self._parts is not None:
+            strides = _strides(self._parts, self.shape)
+        object.__setattr__(self, "_strides", strides)
+        return strides
 
     def bounds(self) -> tuple[int, int]:
         """Smallest and largest position (without listing the positions)."""
@@ -226,6 +232,22 @@ class Block:
         )
 
     __hash__ = object.__hash__
+
+
+def _strides(parts, shape) -> tuple[tuple[int, ...], int, int] | None:
+    """:meth:`Block._strided` of the vectors ``parts``."""
+    steps = tuple(_step(t) for t in parts)
+    if any(s is None or s < 0 for s in steps):
+        return None
+    # distinct positions: each axis steps past everything the smaller ones cover
+    covered = 0
+    for size, step in sorted(zip(shape, steps), key=lambda a: a[1]):
+        if size > 1:
+            if step <= covered:
+                return None
+            covered += (size - 1) * step
+    offset = sum(int(t[0]) for t in parts)
+    return (steps, offset, covered) if offset >= 0 else None
 
 
 def _step(values: Tensor) -> int | None:
