@@ -3,11 +3,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import warnings
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch in this process on one thread, as the launched processes run (restored on
+    exit): a single-process reference computed here sums in their order."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

@@ -911,11 +911,15 @@ def test_every_command_shows_its_options(argv, option, capsys):
     assert option in capsys.readouterr().out
 
 
-def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path):
-    from launch import run_python
+def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path, capsys):
+    """Two gloo ranks share the batches and get this process's values; autocast."""
+    from launch import one_thread, run_python
 
     base = ["-m", "geosharp.cli", "measure", str(bert_dir), "--data", str(text_csv), *SMALL]
-    single = json.loads(run_python([*base, "--json", "-", "--quiet"], 1))
+    capsys.readouterr()
+    with one_thread():
+        assert main([*base[2:], "--json", "-", "--quiet"]) == 0
+    single = json.loads(capsys.readouterr().out)
     shared = json.loads(run_python([*base, "--json", "-", "--quiet"], 2))
     for a, b in zip(single["results"], shared["results"]):
         assert a["per_batch"] == b["per_batch"] and a["value"] == b["value"]

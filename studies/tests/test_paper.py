@@ -249,14 +249,18 @@ def test_paper_driver_bert(tmp_path):
     assert record["complete"] and len(record["measures"]["adaptive"]["0.05"]["per_batch"]) == 2
 
 
-def test_paper_driver_under_torchrun(tmp_path):
-    """Two gloo ranks share the three checkpoints and write the same files."""
-    from launch import run_python
+def test_paper_driver_under_torchrun(tmp_path, monkeypatch):
+    """Two gloo ranks share the three checkpoints and write the files a single process
+    (this one) writes."""
+    from geosharp.cli import main
+    from launch import one_thread, run_python
 
     argv = _bert_driver_setup(tmp_path)
     single = tmp_path / "out"
     shared = tmp_path / "shared"
-    run_python(["-m", "geosharp.cli", *argv], 1, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with one_thread():
+        assert main(argv) == 0
     run_python(["-m", "geosharp.cli", *argv, "--out", str(shared)], 2, cwd=tmp_path)
     for name in ("summary.json", *(f"measures/bert-{i}.json" for i in range(3))):
         assert (single / name).read_bytes() == (shared / name).read_bytes()

@@ -194,19 +194,21 @@ def test_vision_falls_back_to_digits(monkeypatch, tmp_path):
     assert -1.0 <= float(xtr.min()) and float(xtr.max()) <= 1.0
 
 
-def _run_cli(args, out, nproc, tmp_path):
-    """``geosharp zoo ...`` as a plain process or under ``torchrun``."""
-    cli = ["-m", "geosharp.cli", "zoo", *args, "--out", str(out), "--no-progress"]
-    return run_python(cli, nproc, cwd=tmp_path)
-
-
-def test_torchrun_shares_the_zoo_and_writes_the_same_files(tmp_path):
+def test_torchrun_shares_the_zoo_and_writes_the_same_files(tmp_path, monkeypatch):
     """Two gloo ranks train and measure 3 models (2 + 1) into the files a single process
-    writes: same weights, same metrics, byte-identical measurement files and summary."""
-    args = ["all", "--zoo", "vision", "--preset", "smoke", "--n-models", "3", "--threads", "1"]
+    (this one) writes: same weights, same metrics, byte-identical measurement files and
+    summary."""
+    from geosharp.cli import main
+    from launch import one_thread
+
+    args = ["zoo", "all", "--zoo", "vision", "--preset", "smoke", "--n-models", "3"]
+    args += ["--threads", "1", "--no-progress"]
     single, shared = tmp_path / "single", tmp_path / "shared"
-    _run_cli(args, single, 1, tmp_path)
-    stdout = _run_cli(args, shared, 2, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with one_thread():
+        assert main([*args, "--out", str(single)]) == 0
+    cli = ["-m", "geosharp.cli", *args, "--out", str(shared)]
+    stdout = run_python(cli, 2, cwd=tmp_path)
     for rank in (0, 1):  # both ranks took a share (2 + 1, unless a retry resumed)
         assert f"[rank {rank}/2] measured" in stdout
     ids = [f"vision-{i:03d}" for i in range(3)]
