@@ -183,7 +183,7 @@ def test_heads_cut_across_processes_get_the_one_process_value(runs, nproc):
             assert one != 0 and abs(many - one) <= tol * abs(one), (name, measure, case)
     runs_of = ["bert/runs"] + (["llama/runs", "llama/whole"] if nproc == 2 else [])
     for key in runs_of:  # runs: single heads
-        for measure in runs_measures(2 if key.startswith("llama") else nproc):
+        for measure in runs_measures(nproc):
             one, many = results[f"{key}/{measure}"]
             assert one != 0 and abs(many - one) <= TOLERANCE["float64"] * abs(one), key
     if nproc == 2:

@@ -31,15 +31,14 @@ def seeded(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None]:
     the same numbers as after ``torch.manual_seed(seed)``; on exit, also on error, their
     states are as before. No other generator is touched, now or when a device starts.
     Devices without a generator of their own (``meta``) are passed over."""
-    devices = list(dict.fromkeys(d for d in devices if _generator_module(d) is not None))
+    held = {d: m for d in dict.fromkeys(devices) if (m := _generator_module(d)) is not None}
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
-        for kind in dict.fromkeys(d.type for d in devices):
-            on = [d for d in devices if d.type == kind]
+        for kind in dict.fromkeys(d.type for d in held):
+            on = [d for d in held if d.type == kind]
             stack.enter_context(torch.random.fork_rng(devices=on, device_type=kind))
         torch.random.default_generator.manual_seed(seed)
-        for device in devices:
-            module = _generator_module(device)
+        for device, module in held.items():
             on = module.device(device) if hasattr(module, "device") else contextlib.nullcontext()
             with on:
                 module.manual_seed(seed)

@@ -206,7 +206,7 @@ class Block:
             pass
         strides = None
         if self._parts is not None:
-            strides = _strides(self._parts, self.shape)
+            strides = _even_strides(self._parts, self.shape)
         object.__setattr__(self, "_strides", strides)
         return strides
 
@@ -234,7 +234,7 @@ class Block:
     __hash__ = object.__hash__
 
 
-def _strides(parts, shape) -> tuple[tuple[int, ...], int, int] | None:
+def _even_strides(parts, shape) -> tuple[tuple[int, ...], int, int] | None:
     """:meth:`Block._strided` of the vectors ``parts``."""
     steps = tuple(_step(t) for t in parts)
     if any(s is None or s < 0 for s in steps):
