@@ -178,7 +178,7 @@ def test_a_failing_process_does_not_hold_the_others(tmp_path, how):
         "    sys.exit(main(['measure', 'no/such/checkpoint', '--data', 'digits']))\n"
         "dist.broadcast_object_list([None], src=1)  # waits for process 1\n"
     )
-    proc = launch([str(script)], 2, timeout=90)
+    proc = launch([str(script)], 2, timeout=90, torchrun=True)
     assert proc.returncode != 0
     said = "process 1 fails" if how == "raises" else "geosharp: error:"
     assert said in proc.stderr, proc.stderr[-2000:]

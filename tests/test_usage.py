@@ -729,7 +729,7 @@ def test_a_causal_lm_sharded_with_fsdp_from_the_command_line(tmp_path, capsys):
     # process 0 cannot read the weights: every process says so and leaves at once (the
     # others would wait for it in a collective)
     proc = launch([str(tmp_path / "only0.py"), *base, "--fsdp"], 2, timeout=120,
-                  env={"UNREADABLE": "1"})  # fmt: skip
+                  env={"UNREADABLE": "1"}, torchrun=True)  # fmt: skip
     said = [x for x in proc.stderr.splitlines() if x.startswith("geosharp: error:")]
     assert proc.returncode != 0 and said, proc.stderr[-3000:]  # torchrun may end one first
     assert all("the weights cannot be loaded (unreadable here)" in x for x in said), said
