@@ -1,6 +1,7 @@
-"""Worker for tests/test_fsdp.py (run under torchrun): every case is measured on the
-unsharded model and on the same model sharded with geosharp.fsdp.shard; rank 0 writes
-the values and the model check to ``argv[1]`` as JSON."""
+"""Worker for tests/test_fsdp.py (its processes get torchrun's environment): every case
+is measured on the unsharded model and on the same model sharded with
+geosharp.fsdp.shard; rank 0 writes the values and the model check to ``argv[1]`` as
+JSON."""
 
 import contextlib
 import copy

@@ -12,6 +12,7 @@ launches under ``torch.distributed.run`` itself, for the tests of what torchrun 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -61,12 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_python(args: list[str], nproc: int, cwd=None, timeout: float = 600) -> str:
+def run_python(
+    args: list[str], nproc: int, cwd=None, timeout: float = 600, torchrun: bool = False
+) -> str:
     """Run and return stdout; fail with the end of the logs. A failed launch of
     several processes is retried once on a fresh port (runs resume, so a retry is
     harmless)."""
     for attempt in range(2):
-        proc = launch(args, nproc, cwd, timeout)
+        proc = launch(args, nproc, cwd, timeout, torchrun=torchrun)
         if proc.returncode == 0 or nproc == 1 or attempt == 1:
             break
         warnings.warn(f"launch failed, retrying once: {proc.stderr[-2000:]}", stacklevel=1)
@@ -143,8 +146,9 @@ def _forked(args, nproc, cwd, timeout, env) -> subprocess.CompletedProcess:
             failed = failed or next((p.exitcode for p in procs if p.exitcode), None)
             if failed:
                 _end(procs)  # as torchrun: the others may wait for it in a collective
-        read = [[_read(os.path.join(logs, f"{r}.{k}")) for r in range(nproc)] for k in ("out", "err")]
-    return subprocess.CompletedProcess(args, failed or 0, "".join(read[0]), "".join(read[1]))
+        out, err = ("".join(_read(os.path.join(logs, f"{r}.{k}")) for r in range(nproc))
+                    for k in ("out", "err"))  # fmt: skip
+    return subprocess.CompletedProcess(args, failed or 0, out, err)
 
 
 def _end(procs, grace: float = 5.0) -> None:
@@ -164,40 +168,35 @@ def _read(path: str) -> str:
         return f.read()
 
 
-_CONTEXT = []
-
-
+@functools.cache
 def _server():
     """The forkserver context, its server started with the launches' environment."""
     import multiprocessing
+    from multiprocessing import forkserver
 
-    if not _CONTEXT:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        saved = dict(os.environ)
-        os.environ.update(ENV)
-        try:
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _CONTEXT.append(context)
-    return _CONTEXT[0]
-
-
-_PATHS: dict = {}
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    os.environ.update(ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return context
 
 
 def _plain_path(env) -> list[str]:
     """``sys.path`` of a plain ``python`` here, less its first entry (the script's)."""
-    key = env.get("PYTHONPATH", "")
-    if key not in _PATHS:
-        code = "import json, sys; print(json.dumps(sys.path[1:]))"
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        _PATHS[key] = json.loads(out.stdout)
-    return _PATHS[key]
+    return _search_path(env.get("PYTHONPATH", ""))
+
+
+@functools.cache
+def _search_path(pythonpath: str) -> list[str]:
+    code = "import json, sys; print(json.dumps(sys.path[1:]))"
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return json.loads(out.stdout)
 
 
 def _child(args, env, cwd, path, outs) -> None:
@@ -211,12 +210,12 @@ def _child(args, env, cwd, path, outs) -> None:
     os.chdir(cwd)
     for fd, name in zip((1, 2), outs):
         os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.stdout = open(1, "w", closefd=False)
+    sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
     code = 0
     try:
         if args[0] == "-m":
-            sys.argv, sys.path[:] = ["-m", *args[2:]], ["", *path]
+            sys.argv, sys.path[:] = ["-m", *args[2:]], [cwd, *path]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args)

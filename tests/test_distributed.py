@@ -1,10 +1,11 @@
 """Scale-out with torch.distributed: results identical to a single process.
 
-One worker script is run as a plain single process and under ``torchrun`` with 2 and 3
-CPU processes (gloo, one thread each, 127.0.0.1 only). It measures 5 batches of one
-model (worst case, deterministic and random start; average case) with
-``distributed=True`` and a population of 4 models with ``map_population``; rank 0 writes
-everything to JSON. The files must be byte-identical across the three runs.
+One worker script is run as a plain single process and as 2 and 3 processes of one gloo
+group with torchrun's environment (``tests/launch.py``; one thread each, 127.0.0.1
+only). It measures 5 batches of one model (worst case, deterministic and random start;
+average case) with ``distributed=True`` and a population of 4 models with
+``map_population``; rank 0 writes everything to JSON. The files must be byte-identical
+across the three runs.
 """
 
 from __future__ import annotations
@@ -158,11 +159,13 @@ def test_the_group_is_destroyed_before_the_interpreter_exits(tmp_path):
     assert proc.stdout.split("\n") == ["(0, 1)", "still up at exit: False", ""]
 
 
+@pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "forked"])
 @pytest.mark.parametrize("how", ["raises", "usage error"])
-def test_a_failing_process_does_not_hold_the_others(tmp_path, how):
+def test_a_failing_process_does_not_hold_the_others(tmp_path, how, torchrun):
     """A process that fails while another waits for it in a collective leaves at once
     (no barrier at exit, which would wait for the waiting one forever): the other fails
-    on the closed connection and the launch ends, well within its time limit."""
+    on the closed connection and the launch ends, well within its time limit; under
+    torchrun and as the tests' launcher forks the processes."""
     from launch import launch
 
     script = tmp_path / "fail.py"
@@ -178,7 +181,45 @@ def test_a_failing_process_does_not_hold_the_others(tmp_path, how):
         "    sys.exit(main(['measure', 'no/such/checkpoint', '--data', 'digits']))\n"
         "dist.broadcast_object_list([None], src=1)  # waits for process 1\n"
     )
-    proc = launch([str(script)], 2, timeout=90, torchrun=True)
+    proc = launch([str(script)], 2, timeout=90, torchrun=torchrun)
     assert proc.returncode != 0
     said = "process 1 fails" if how == "raises" else "geosharp: error:"
     assert said in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_forked_process_sees_what_python_would(tmp_path):
+    """The launcher's forked processes get the arguments, module search path, working
+    directory, ``__name__`` and environment of ``python ARGS`` (a script, and ``-m``),
+    torchrun's variables for several processes, and their outputs in rank order."""
+    import json
+
+    from launch import ENV, launch
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    show = (
+        "import json, os, sys\n"
+        "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'OMP_NUM_THREADS', 'EXTRA')\n"
+        "print(json.dumps([sys.argv, sys.path, os.getcwd(), __name__,\n"
+        "                  {k: os.environ.get(k) for k in keys}]))\n"
+    )
+    (tmp_path / "pkg" / "show.py").write_text(show)
+    (tmp_path / "here").mkdir()
+    env = {**os.environ, **ENV, "EXTRA": "1"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        env.pop(key, None)
+    for args in ([str(tmp_path / "pkg" / "show.py"), "a", "--b"], ["-m", "pkg.show", "a"]):
+        cwd = tmp_path if args[0] == "-m" else tmp_path / "here"
+        plain = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
+                               text=True, check=True)  # fmt: skip
+        forked = launch(args, 1, cwd=cwd, env={"EXTRA": "1"})
+        assert forked.returncode == 0, forked.stderr
+        assert json.loads(forked.stdout) == json.loads(plain.stdout)
+    many = launch([str(tmp_path / "pkg" / "show.py")], 3, env={"EXTRA": "1"})
+    ranks = [json.loads(line)[4] for line in many.stdout.splitlines()]
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == [
+        (str(r), str(r), "3") for r in range(3)
+    ]
+    assert all(r["MASTER_ADDR"] == "127.0.0.1" and r["EXTRA"] == "1" for r in ranks)
+    missing = launch([str(tmp_path / "nope.py")], 1)
+    assert missing.returncode != 0 and "nope.py" in missing.stderr

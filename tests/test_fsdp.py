@@ -1,17 +1,17 @@
 """Sharpness of an FSDP2-sharded model equals the unsharded model's in one process.
 
-``fsdp_worker.py`` runs under ``torchrun`` with 2 and 4 gloo processes (one thread
-each): a BERT and a LLaMA-style model (grouped-query attention, rotary embeddings), in
-float64 and float32, measured unsharded and then sharded with
-:func:`geosharp.fsdp.shard`, for adaptive, ``geodesic-inv``, ``geodesic-mix`` and
-Euclidean sharpness, worst case from zero and from a random start, and average case.
-BERT's query/key/value biases are cut by heads, so each head's bias row is held by
-one process (a zero phantom row on the other). The LLaMA also in bfloat16 (float32
-perturbations on bfloat16 shards, attention-only and whole, its 50-row embedding cut
-unevenly over 4 processes): the one-process value, and the float32 copy's within the
-floor; on 2 processes also with its perturbed products in bfloat16 parts. What needs
-no more than 2 processes runs on 2 only: a 4-process gloo collective on 2 cores costs
-about 5 times a 2-process one.
+``fsdp_worker.py`` runs as 2 and 4 gloo processes with torchrun's environment
+(``tests/launch.py``; one thread each): a BERT and a LLaMA-style model (grouped-query
+attention, rotary embeddings), in float64 and float32, measured unsharded and then
+sharded with :func:`geosharp.fsdp.shard`, for adaptive, ``geodesic-inv``,
+``geodesic-mix`` and Euclidean sharpness, worst case from zero and from a random start,
+and average case. BERT's query/key/value biases are cut by heads, so each head's bias
+row is held by one process (a zero phantom row on the other). The LLaMA also in bfloat16
+(float32 perturbations on bfloat16 shards, attention-only and whole, its 50-row
+embedding cut unevenly over 4 processes): the one-process value, and the float32 copy's
+within the floor; on 2 processes also with its perturbed products in bfloat16 parts.
+What needs no more than 2 processes runs on 2 only: a 4-process gloo collective on 2
+cores costs about 5 times a 2-process one.
 """
 
 from __future__ import annotations

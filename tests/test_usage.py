@@ -920,7 +920,8 @@ def test_measure_autocast_and_torchrun_batches(bert_dir, text_csv, tmp_path, cap
     with one_thread():
         assert main([*base[2:], "--json", "-", "--quiet"]) == 0
     single = json.loads(capsys.readouterr().out)
-    shared = json.loads(run_python([*base, "--json", "-", "--quiet"], 2))
+    # under torchrun itself: the command line as a user launches it
+    shared = json.loads(run_python([*base, "--json", "-", "--quiet"], 2, torchrun=True))
     for a, b in zip(single["results"], shared["results"]):
         assert a["per_batch"] == b["per_batch"] and a["value"] == b["value"]
     out = tmp_path / "bf16.json"
