@@ -203,8 +203,10 @@ def _child(args, env, cwd, path, outs) -> None:
     """In a forked process: ``python ARGS`` with this environment, working directory and
     ``sys.path``, stdout and stderr into the files ``outs``; exits with its status."""
     import atexit
+    import gc
     import runpy
 
+    gc.freeze()  # the server's imports: a collection here walks this process's objects only
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

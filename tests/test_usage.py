@@ -864,7 +864,7 @@ def test_killed_run_resumes_without_measuring_again(bert_dir, text_csv, tmp_path
 
     out = tmp_path / "out.json"
     argv = ["measure", str(bert_dir), "--data", str(text_csv), "--measures",
-            "adaptive,geodesic-inv", "--n-iters", "300", "--quiet", "--json", str(out)]  # fmt: skip
+            "adaptive,geodesic-inv", "--n-iters", "100", "--quiet", "--json", str(out)]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "geosharp.cli", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
@@ -882,7 +882,7 @@ def test_killed_run_resumes_without_measuring_again(bert_dir, text_csv, tmp_path
     assert killed["complete"] is False and [r["measure"] for r in killed["results"]] == ["adaptive"]
 
     line = _one_line_error(capsys, main([*argv, "--resume", "--n-iters", "5"]))
-    assert "other settings: n_iters (300 there, 5 now)" in line
+    assert "other settings: n_iters (100 there, 5 now)" in line
     older = tmp_path / "older.json"  # a file of the versions that kept the best gradient
     settings = {k: v for k, v in killed["settings"].items() if k != "restart"}
     older.write_text(json.dumps(killed | {"settings": settings}))
