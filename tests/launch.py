@@ -88,12 +88,19 @@ def launch(
     """One run of ``python ARGS`` (``nproc`` processes of one group for ``nproc > 1``),
     with ``env`` added to the environment; whatever its exit status: the processes'
     outputs in rank order, the first failure's exit status."""
-    env = {**os.environ, **ENV, **(env or {})}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
+    env = environment(env)
     if torchrun:
         return _torchrun(args, nproc, cwd, timeout, env)
     return _forked(args, nproc, cwd, timeout, env)
+
+
+def environment(extra: dict | None = None) -> dict:
+    """A launch's environment: this process's, with :data:`ENV` and ``extra``, less any
+    torchrun variables of its own."""
+    env = {**os.environ, **ENV, **(extra or {})}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    return env
 
 
 def _torchrun(args, nproc, cwd, timeout, env) -> subprocess.CompletedProcess:
@@ -128,7 +135,7 @@ def _forked(args, nproc, cwd, timeout, env) -> subprocess.CompletedProcess:
 
     context = _server()
     cwd = os.path.abspath(cwd or os.getcwd())
-    path = _plain_path(env)
+    path = _search_path(env.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as logs:
         procs = []
         for rank, extra in enumerate(_ranks(nproc)):
@@ -186,13 +193,10 @@ def _server():
     return context
 
 
-def _plain_path(env) -> list[str]:
-    """``sys.path`` of a plain ``python`` here, less its first entry (the script's)."""
-    return _search_path(env.get("PYTHONPATH", ""))
-
-
 @functools.cache
 def _search_path(pythonpath: str) -> list[str]:
+    """``sys.path`` of a plain ``python`` here with this ``PYTHONPATH``, less its first
+    entry (the script's)."""
     code = "import json, sys; print(json.dumps(sys.path[1:]))"
     env = {**os.environ, "PYTHONPATH": pythonpath}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -211,7 +215,9 @@ def _child(args, env, cwd, path, outs) -> None:
     os.environ.update(env)
     os.chdir(cwd)
     for fd, name in zip((1, 2), outs):
-        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        opened = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = open(1, "w", closefd=False, buffering=1)
     sys.stderr = open(2, "w", closefd=False, buffering=1)
     code = 0

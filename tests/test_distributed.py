@@ -193,7 +193,7 @@ def test_a_forked_process_sees_what_python_would(tmp_path):
     torchrun's variables for several processes, and their outputs in rank order."""
     import json
 
-    from launch import ENV, launch
+    from launch import environment, launch
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
@@ -205,9 +205,7 @@ def test_a_forked_process_sees_what_python_would(tmp_path):
     )
     (tmp_path / "pkg" / "show.py").write_text(show)
     (tmp_path / "here").mkdir()
-    env = {**os.environ, **ENV, "EXTRA": "1"}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(key, None)
+    env = environment({"EXTRA": "1"})
     for args in ([str(tmp_path / "pkg" / "show.py"), "a", "--b"], ["-m", "pkg.show", "a"]):
         cwd = tmp_path if args[0] == "-m" else tmp_path / "here"
         plain = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
